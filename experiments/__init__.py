@@ -1,0 +1,1 @@
+"""Thin experiment entry points: main(config) -> results."""

@@ -1,0 +1,1 @@
+"""Pallas paged-attention kernels, each beside its plain-JAX reference."""

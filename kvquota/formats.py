@@ -1,0 +1,168 @@
+"""KV-cache storage formats, defined once and shared by the accounting, kernels and reclaim.
+
+A format says how one page (one KV head's `block_size` tokens of K, or of V) is stored, and so
+how many bytes a block really costs, scales and zero points included. Quantization itself
+(`quantize`/`dequantize`) lives beside the kernels in `kernels/`; this module is only the
+description, so it stays importable without touching device code.
+
+Quantized layouts (KIVI: Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for
+KV Cache"):
+  * int8: symmetric, one bf16 scale per (token, KV head).
+  * int4: symmetric, two values per byte, one bf16 scale per (token, KV head, group of 64
+    channels, or head_dim if smaller).
+  * kivi2 / kivi4: asymmetric (bf16 scale and bf16 zero point per group); keys per channel over
+    the tokens of one block, values per token over groups of 32 channels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+SCALE_BYTES = 2  # every scale and zero point is stored as bf16
+
+
+class UnknownFormatError(ValueError):
+    """Raised for a KV format name that is not registered."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How one of K or V is quantized inside a page.
+
+    Attributes:
+      bits: bits per stored value (8, 4 or 2); values narrower than a byte are packed.
+      scale_axis: "token": each token has its own scales, one per `group` channels;
+        "channel": each channel has one scale over the page's tokens (KIVI keys).
+      group: channels per scale group when `scale_axis == "token"` (capped at head_dim).
+      asymmetric: whether a zero point is stored beside each scale.
+    """
+
+    bits: int
+    scale_axis: Literal["token", "channel"]
+    group: int = 0
+    asymmetric: bool = False
+
+    def group_size(self, head_dim: int) -> int:
+        """Channels that share one scale within a token (head_dim for a per-token scale)."""
+        return min(self.group, head_dim) if self.group else head_dim
+
+    def num_scales(self, block_size: int, head_dim: int) -> int:
+        """Scales (and as many zero points, if asymmetric) stored per page."""
+        if self.scale_axis == "channel":
+            return head_dim
+        return block_size * math.ceil(head_dim / self.group_size(head_dim))
+
+    def page_bytes(self, block_size: int, head_dim: int) -> int:
+        """Bytes of one page: packed data plus scales plus zero points."""
+        data = block_size * head_dim * self.bits // 8
+        per_scale = SCALE_BYTES * (2 if self.asymmetric else 1)
+        return data + self.num_scales(block_size, head_dim) * per_scale
+
+    # The array layout of a quantized pool, shared by the kernels and the state. Values are
+    # packed along channels (low bits first); scales broadcast against [H, N, P, D] once the
+    # channels are split into groups.
+    @property
+    def data_dtype(self) -> str:
+        """int8 for symmetric 8-bit values, uint8 for packed or offset (asymmetric) codes."""
+        return "int8" if self.bits == 8 and not self.asymmetric else "uint8"
+
+    def data_shape(self, heads: int, blocks: int, block_size: int, head_dim: int):
+        """[H, N, P, D * bits / 8]: packed codes."""
+        return (heads, blocks, block_size, head_dim * self.bits // 8)
+
+    def scale_shape(self, heads: int, blocks: int, block_size: int, head_dim: int):
+        """[H, N, P, D / group] per token, or [H, N, 1, D] per channel; bf16 (zero points alike)."""
+        if self.scale_axis == "channel":
+            return (heads, blocks, 1, head_dim)
+        return (heads, blocks, block_size, math.ceil(head_dim / self.group_size(head_dim)))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """A KV storage format.
+
+    Attributes:
+      name: registry name ("bf16", "int8", "kivi2", ...).
+      dtype: numpy/jax dtype name of the stored data for unquantized formats ("bfloat16", ...),
+        or the container dtype ("int8", "uint8") of quantized data.
+      key: QuantSpec for keys, None for a plain floating-point format.
+      value: QuantSpec for values, None for a plain floating-point format.
+    """
+
+    name: str
+    dtype: str
+    key: QuantSpec | None = None
+    value: QuantSpec | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.key is not None
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes per element of a plain floating-point format."""
+        return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}[self.dtype]
+
+    def key_page_bytes(self, block_size: int, head_dim: int) -> int:
+        """Bytes of one KV head's keys for one block."""
+        if self.key is None:
+            return block_size * head_dim * self.element_bytes
+        return self.key.page_bytes(block_size, head_dim)
+
+    def value_page_bytes(self, block_size: int, head_dim: int) -> int:
+        """Bytes of one KV head's values for one block."""
+        if self.value is None:
+            return block_size * head_dim * self.element_bytes
+        return self.value.page_bytes(block_size, head_dim)
+
+    def head_block_bytes(self, block_size: int, head_dim: int) -> int:
+        """Bytes of K plus V of one KV head for one block in one layer."""
+        return self.key_page_bytes(block_size, head_dim) + self.value_page_bytes(
+            block_size, head_dim
+        )
+
+    def fraction_of_bf16(self, block_size: int, head_dim: int) -> float:
+        """Size of a block relative to the same block stored in bf16."""
+        return self.head_block_bytes(block_size, head_dim) / (4 * block_size * head_dim)
+
+
+_FORMATS = (
+    KVFormat("f32", "float32"),
+    KVFormat("bf16", "bfloat16"),
+    KVFormat("f16", "float16"),
+    KVFormat("fp8", "float8_e4m3fn"),
+    KVFormat(
+        "int8", "int8",
+        key=QuantSpec(bits=8, scale_axis="token"),
+        value=QuantSpec(bits=8, scale_axis="token"),
+    ),
+    KVFormat(
+        "int4", "uint8",
+        key=QuantSpec(bits=4, scale_axis="token", group=64),
+        value=QuantSpec(bits=4, scale_axis="token", group=64),
+    ),
+    KVFormat(
+        "kivi2", "uint8",
+        key=QuantSpec(bits=2, scale_axis="channel", asymmetric=True),
+        value=QuantSpec(bits=2, scale_axis="token", group=32, asymmetric=True),
+    ),
+    KVFormat(
+        "kivi4", "uint8",
+        key=QuantSpec(bits=4, scale_axis="channel", asymmetric=True),
+        value=QuantSpec(bits=4, scale_axis="token", group=32, asymmetric=True),
+    ),
+)
+
+KV_FORMATS: dict[str, KVFormat] = {fmt.name: fmt for fmt in _FORMATS}
+
+
+def get_kv_format(name: str) -> KVFormat:
+    """Returns the format called `name`, or raises UnknownFormatError listing the valid names."""
+    try:
+        return KV_FORMATS[name]
+    except KeyError:
+        raise UnknownFormatError(
+            f"unknown kv_format {name!r}; valid choices: {', '.join(KV_FORMATS)}"
+        ) from None
