@@ -1,0 +1,206 @@
+"""Plain-JAX paged attention: the semantics the Pallas kernel must match, and the CPU fast path.
+
+Decode is chunked prefill with one query row per sequence at position `length - 1`, so both run
+through `paged_attention_rows`: queries are "rows" `[Hkv, B, R, D]` (R = T * group, row
+r = t * group + h), each with a cache position (or -1 for a padding row); a row attends to the
+cached keys at positions `<= its own` and `< length`.
+
+Why it is shaped this way (it is on the model's hot path on CPU):
+  * K and V pages are gathered with one `take` each, page-contiguous (`[Hkv, B, M*P, D]` is a free
+    reshape of the gathered `[Hkv, B, M, P, D]`), and the V mask is fused into that gather;
+  * the two contractions batch over the leading (Hkv, B) axes of both operands, so XLA needs no
+    transposes around the dots;
+  * masking is by `where` on the logits and on V before the value product: unused slots may hold
+    NaN (another tenant's stale data), and 0 * NaN would leak through a multiplicative mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels.quantization import QuantizedPages, dequantize_tile
+
+
+class AttentionAux(NamedTuple):
+    """Side outputs of decode/prefill.
+
+    Attributes:
+      lse: f32[B, Hq] (decode) or f32[B, T, Hq] (prefill): log-sum-exp of each row's scaled
+        logits; -inf for a row that attends to nothing. Merge pools with `merge_attention`.
+      mass: None, or f32[B, Hkv, max_blocks] ("block") / f32[B, Hkv, max_blocks * P] ("token"):
+        softmax probability per block-table column (or token slot), averaged over the query heads
+        of a KV group and, for prefill, summed over the chunk's valid query rows.
+    """
+
+    lse: jax.Array
+    mass: jax.Array | None
+
+
+def gather_pages(pages, block_tables: jax.Array, dtype) -> jax.Array:
+    """Pages of each sequence, `[Hkv, B, M*P, D]` in `dtype`, one gather per array.
+
+    Table entries are clipped into range: entries past a sequence's length may hold the sentinel
+    or arbitrary blocks, and what they point at is masked out by the caller.
+    """
+    b, m = block_tables.shape
+    if isinstance(pages, QuantizedPages):
+        g = pages.take_blocks(block_tables)  # arrays [Hkv, B, M, P|1, ...]
+        x = dequantize_tile(g.data, g.scales, g.zeros, g.spec, dtype)
+    else:
+        x = jnp.take(pages, block_tables, axis=1, mode="clip").astype(dtype)
+    h, _, _, p, d = x.shape
+    return x.reshape(h, b, m * p, d)
+
+
+def paged_attention_rows(
+    q_rows: jax.Array,  # [Hkv, B, R, D]
+    row_pos: jax.Array,  # i32[B, R]: cache position of each row, -1 for padding rows
+    k_pages,  # [Hkv, N, P, D] or QuantizedPages
+    v_pages,  # [Hkv, N, P, D] or QuantizedPages
+    block_tables: jax.Array,  # i32[B, M]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float,
+    group: int,
+    mass: str | None,
+):
+    """Attention of query rows over paged K/V -> (out [Hkv, B, R, D] f32, lse [Hkv, B, R], mass).
+
+    `mass` (when asked) is f32[B, Hkv, M*P] per token slot: probabilities summed over rows and
+    divided by `group` (the mean over a group's heads, summed over query positions).
+    """
+    compute = jnp.float32
+    k_dtype = jnp.promote_types(q_rows.dtype, k_pages.dtype) if _plain(k_pages) else compute
+    k = gather_pages(k_pages, block_tables, k_dtype)
+    s_len = k.shape[2]
+    key_pos = jnp.arange(s_len, dtype=jnp.int32)
+    in_len = key_pos[None, :] < lengths[:, None]  # [B, S]
+    # V slots past the length are zeroed inside the gather fusion (they may hold NaN).
+    v = gather_pages(v_pages, block_tables, compute)
+    v = jnp.where(in_len[None, :, :, None], v, 0.0)
+
+    logits = jnp.einsum(
+        "hbrd,hbsd->hbrs", q_rows.astype(k.dtype), k, preferred_element_type=compute
+    ) * jnp.float32(sm_scale)
+    visible = in_len[:, None, :] & (key_pos[None, None, :] <= row_pos[:, :, None])  # [B, R, S]
+    logits = jnp.where(visible[None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1)  # [Hkv, B, R]
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m_safe[..., None])  # masked entries: exp(-inf) = 0
+    l = jnp.sum(p, axis=-1)
+    out = jnp.einsum("hbrs,hbsd->hbrd", p, v, preferred_element_type=compute)
+    has = l > 0
+    inv_l = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
+    out = out * inv_l[..., None]
+    lse = jnp.where(has, m_safe + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    mass_out = None
+    if mass is not None:
+        per_token = jnp.einsum("hbrs,hbr->bhs", p, inv_l) / group
+        mass_out = per_token
+    return out, lse, mass_out
+
+
+def _plain(pages) -> bool:
+    return not isinstance(pages, QuantizedPages)
+
+
+def _block_mass(per_token: jax.Array, mass: str, page_size: int) -> jax.Array:
+    """[B, Hkv, M*P] -> itself ("token") or summed per block-table column ("block")."""
+    if mass == "token":
+        return per_token
+    b, h, s = per_token.shape
+    return per_token.reshape(b, h, s // page_size, page_size).sum(-1)
+
+
+def _page_size(pages) -> int:
+    return pages.shape[2]
+
+
+def decode_reference(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages,  # [Hkv, N, P, D] or QuantizedPages
+    v_pages,  # [Hkv, N, P, D] or QuantizedPages
+    block_tables: jax.Array,  # i32[B, M]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    mass: str | None = None,
+) -> tuple[jax.Array, AttentionAux]:
+    """Decode attention, plain JAX: (out [B, Hq, D] in q.dtype, AttentionAux)."""
+    b, hq, d = q.shape
+    hkv = k_pages.shape[0]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    q_rows = q.reshape(b, hkv, g, d).transpose(1, 0, 2, 3)  # [Hkv, B, g, D]
+    row_pos = jnp.broadcast_to((lengths - 1)[:, None], (b, g)).astype(jnp.int32)
+    out, lse, per_token = paged_attention_rows(
+        q_rows, row_pos, k_pages, v_pages, block_tables, lengths,
+        sm_scale=scale, group=g, mass=mass,
+    )
+    out = out.transpose(1, 0, 2, 3).reshape(b, hq, d).astype(q.dtype)
+    lse = lse.transpose(1, 0, 2).reshape(b, hq)
+    mass_out = None if mass is None else _block_mass(per_token, mass, _page_size(k_pages))
+    return out, AttentionAux(lse=lse, mass=mass_out)
+
+
+def prefill_reference(
+    q: jax.Array,  # [B, T, Hq, D]
+    k_pages,  # [Hkv, N, P, D] or QuantizedPages
+    v_pages,  # [Hkv, N, P, D] or QuantizedPages
+    block_tables: jax.Array,  # i32[B, M]
+    lengths: jax.Array,  # i32[B]
+    q_start: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    mass: str | None = None,
+) -> tuple[jax.Array, AttentionAux]:
+    """Chunked prefill attention, plain JAX: (out [B, T, Hq, D] in q.dtype, AttentionAux)."""
+    b, t, hq, d = q.shape
+    hkv = k_pages.shape[0]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    q_rows = q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * g, d)
+    pos = q_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    pos = jnp.where(pos < lengths[:, None], pos, -1).astype(jnp.int32)
+    row_pos = jnp.repeat(pos, g, axis=1)  # row r = t * g + h
+    out, lse, per_token = paged_attention_rows(
+        q_rows, row_pos, k_pages, v_pages, block_tables, lengths,
+        sm_scale=scale, group=g, mass=mass,
+    )
+    out = out.reshape(hkv, b, t, g, d).transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d)
+    lse = lse.reshape(hkv, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, hq)
+    mass_out = None if mass is None else _block_mass(per_token, mass, _page_size(k_pages))
+    return out.astype(q.dtype), AttentionAux(lse=lse, mass=mass_out)
+
+
+def dense_attention_reference(
+    q: jax.Array,  # [B, T, Hq, D]
+    k: jax.Array,  # [B, S, Hkv, D]
+    v: jax.Array,  # [B, S, Hkv, D]
+    q_pos: jax.Array,  # i32[B, T]: position of each query, -1 for padding rows
+    kv_len: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal GQA attention over a contiguous cache: (out [B, T, Hq, D] f32, lse [B, T, Hq]).
+
+    Independent of the paged code (no gathers, no row folding); tests compare against it.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
+    s_pos = jnp.arange(k.shape[1])
+    ok = (s_pos[None, None, :] <= q_pos[:, :, None]) & (s_pos[None, None, :] < kv_len[:, None, None])
+    logits = jnp.where(ok[:, None, None], logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Hkv, g, T]
+    w = jnp.where(ok[:, None, None], jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+    vz = jnp.where((s_pos[None, :] < kv_len[:, None])[..., None, None], v.astype(jnp.float32), 0)
+    out = jnp.einsum("bkgts,bskd->btkgd", w, vz).reshape(b, t, hq, d)
+    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, hq)
