@@ -83,7 +83,7 @@ def _pack(codes: jax.Array, bits: int) -> jax.Array:
     """u8[..., D] codes < 2^bits -> u8[..., D*bits/8], channel ppb*j+i at bits*i of byte j."""
     per_byte = 8 // bits
     grouped = codes.astype(jnp.uint32).reshape(*codes.shape[:-1], -1, per_byte)
-    shifts = jnp.arange(per_byte, dtype=jnp.uint32) * bits
+    shifts = (jnp.arange(per_byte, dtype=jnp.uint32) * bits).reshape((1,) * codes.ndim + (-1,))
     return jnp.sum(grouped << shifts, axis=-1).astype(jnp.uint8)
 
 
