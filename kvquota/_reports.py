@@ -1,0 +1,186 @@
+"""Reports returned by the state operations: data (pytrees of arrays), so a step can be printed,
+tested and plotted. Byte figures are exact Python ints computed on the host from block counts
+(or int32 byte units) and the static bytes per block carried beside the arrays."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import numpy as np
+from flax import struct
+
+from kvquota.state import REASONS
+
+
+def _units_to_bytes(units, unit_bytes: int):
+    return np.asarray(units).astype(np.int64) * unit_bytes
+
+
+def _blocks_to_bytes(blocks, pool_bytes):
+    """Exact bytes of a [..., POOLS] block-count array, summed over pools."""
+    blocks = np.asarray(blocks).astype(np.int64)
+    return (blocks * np.asarray(pool_bytes, np.int64)).sum(-1)
+
+
+@struct.dataclass
+class AdmitReport:
+    """Per prompt of an admit batch (B rows)."""
+
+    admitted: jax.Array  # bool[B]
+    reason: jax.Array  # i32[B]  OK or a REFUSED_* / SKIPPED_PADDING code
+    seq_id: jax.Array  # i32[B]  assigned sequence slot; INVALID if refused
+    cached_tokens: jax.Array  # i32[B]  prompt tokens whose K/V already sit in hit blocks
+    hit_blocks: jax.Array  # i32[B]  blocks taken by reference from the prefix cache
+    new_blocks: jax.Array  # i32[B]  blocks allocated from pool 0
+
+    def reasons(self) -> list[str]:
+        return [REASONS[int(r)] for r in np.asarray(self.reason)]
+
+
+@struct.dataclass
+class AppendReport:
+    """Per row of an append batch: where the new token's K/V goes (pool-0 page, offset)."""
+
+    appended: jax.Array  # bool[B]
+    reason: jax.Array  # i32[B]
+    block: jax.Array  # i32[B]  block (= page index) holding the token; INVALID if refused
+    offset: jax.Array  # i32[B]  slot of the token inside the block
+    new_block: jax.Array  # bool[B]  a block was allocated for it
+
+    def reasons(self) -> list[str]:
+        return [REASONS[int(r)] for r in np.asarray(self.reason)]
+
+
+@struct.dataclass
+class ForkReport:
+    """Per source sequence of a fork batch."""
+
+    forked: jax.Array  # bool[B]
+    reason: jax.Array  # i32[B]
+    seq_id: jax.Array  # i32[B]  the child's slot; INVALID if refused
+    copied_from: jax.Array  # i32[B]  partly filled last block copied on write, or INVALID
+    copied_to: jax.Array  # i32[B]  the child's private copy of it, or INVALID
+
+    def reasons(self) -> list[str]:
+        return [REASONS[int(r)] for r in np.asarray(self.reason)]
+
+
+@struct.dataclass
+class PinReport:
+    pin_count: jax.Array  # i32[B]  pin count of each block after the call
+    blocks_returned: jax.Array  # i32[POOLS]  blocks freed by an unpin (0 for pin)
+    pool_bytes: tuple = struct.field(pytree_node=False, default=())
+
+    @property
+    def pool_bytes_returned(self) -> int:
+        return int(_blocks_to_bytes(self.blocks_returned, self.pool_bytes))
+
+
+@struct.dataclass
+class FreeReport:
+    """What dropping references (free / release / unpin) gave back.
+
+    `pool_bytes_returned` counts blocks that went back to a free list; `quota_bytes_released`
+    counts charges a tenant stopped paying, which includes shared blocks whose charge passed to
+    an heir and returned nothing to the pool.
+    """
+
+    seqs_freed: jax.Array  # i32[]
+    tokens_released: jax.Array  # i32[T]  logical tokens each tenant stopped using
+    blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
+    quota_units_released: jax.Array  # i32[T]  charges dropped per tenant, in byte units
+    transferred_blocks: jax.Array  # i32[]  blocks whose charge passed to an heir
+    inherited_units: jax.Array  # i32[T]  charges taken over per heir, in byte units
+    heir_over_quota: jax.Array  # bool[T]  an inherited charge put the heir over its byte quota
+    unpinned_blocks: jax.Array  # i32[]  pins dropped (release with unpin=True, or unpin)
+    pool_bytes: tuple = struct.field(pytree_node=False, default=())
+    unit_bytes: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def pool_bytes_returned(self) -> int:
+        return int(_blocks_to_bytes(self.blocks_returned, self.pool_bytes))
+
+    @property
+    def quota_bytes_released(self) -> int:
+        return int(_units_to_bytes(self.quota_units_released, self.unit_bytes).sum())
+
+    @property
+    def quota_bytes_released_by_tenant(self) -> np.ndarray:
+        return _units_to_bytes(self.quota_units_released, self.unit_bytes)
+
+    @property
+    def inherited_bytes(self) -> np.ndarray:
+        return _units_to_bytes(self.inherited_units, self.unit_bytes)
+
+
+@struct.dataclass
+class TenantReport:
+    """After registering or changing a tenant: how far it is over its (possibly cut) quotas."""
+
+    tokens_over: jax.Array  # i32[]  used_tokens - token_quota, or 0
+    units_over: jax.Array  # i32[]  charged device units - byte_quota, or 0
+    unit_bytes: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def bytes_over(self) -> int:
+        return int(_units_to_bytes(self.units_over, self.unit_bytes))
+
+
+@struct.dataclass
+class Ledger:
+    """Per-tenant accounting view (T tenants, POOLS pools), derived from the state."""
+
+    used_tokens: jax.Array  # i32[T]
+    token_quota: jax.Array  # i32[T]
+    byte_quota_units: jax.Array  # i32[T]
+    charged_blocks: jax.Array  # i32[T, POOLS]  blocks it pays for
+    pinned_blocks: jax.Array  # i32[T, POOLS]  of which pinned
+    shared_blocks: jax.Array  # i32[T, POOLS]  distinct blocks it references but others pay for
+    reclaimable_blocks: jax.Array  # i32[T, POOLS]  charged, unpinned, referenced only by itself
+    fragmentation: jax.Array  # i32[T]  device slots charged to it minus tokens stored in them
+    free_blocks: jax.Array  # i32[POOLS]
+    pool_fragmentation: jax.Array  # i32[]  held device slots minus tokens stored in them
+    pool_bytes: tuple = struct.field(pytree_node=False, default=())
+    unit_bytes: int = struct.field(pytree_node=False, default=1)
+
+    def bytes(self, field: str) -> np.ndarray:
+        """Exact bytes (int64[T]) of a [T, POOLS] block-count field, e.g. "reclaimable_blocks"."""
+        return _blocks_to_bytes(getattr(self, field), self.pool_bytes)
+
+    @property
+    def charged_bytes(self) -> np.ndarray:
+        return self.bytes("charged_blocks")
+
+    @property
+    def pinned_bytes(self) -> np.ndarray:
+        return self.bytes("pinned_blocks")
+
+    @property
+    def shared_bytes(self) -> np.ndarray:
+        return self.bytes("shared_blocks")
+
+    @property
+    def reclaimable_bytes(self) -> np.ndarray:
+        return self.bytes("reclaimable_blocks")
+
+    @property
+    def byte_quota(self) -> np.ndarray:
+        return _units_to_bytes(self.byte_quota_units, self.unit_bytes)
+
+    def summary(self, tenant: Optional[int] = None) -> dict:
+        """Plain-Python numbers for printing or JSON."""
+        rows = range(len(np.asarray(self.used_tokens))) if tenant is None else [tenant]
+        out = {}
+        for t in rows:
+            out[t] = {
+                "used_tokens": int(self.used_tokens[t]),
+                "token_quota": int(self.token_quota[t]),
+                "byte_quota": int(self.byte_quota[t]),
+                "charged_bytes": int(self.charged_bytes[t]),
+                "pinned_bytes": int(self.pinned_bytes[t]),
+                "shared_bytes": int(self.shared_bytes[t]),
+                "reclaimable_bytes": int(self.reclaimable_bytes[t]),
+                "fragmentation_tokens": int(self.fragmentation[t]),
+            }
+        return out

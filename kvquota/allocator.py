@@ -1,0 +1,446 @@
+"""The validating public API over the jitted state operations.
+
+`Allocator(config)` holds only the static config; every method is `op(state, ...) ->
+(new_state, report)`. Each method checks its inputs against the config and the current state
+(reading a few small arrays back to the host) and raises a typed `KVQuotaError` before calling
+the jitted core, so on error the state is untouched. `op` never donates (forks and "unchanged on
+error" rely on that); `op_donated` donates `state` (for serving loops: the caller must not use the
+old state afterwards).
+
+Release and free touch only the rows they need: the facade lists the tenant's sequence slots (and
+the live slots of tenants sharing its salt, the only possible heirs) and pads each list to a power
+of two, so the jitted core works on O(rows x MB) entries and compiles once per size bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from kvquota import _ops
+from kvquota._reports import (
+    AdmitReport,
+    AppendReport,
+    ForkReport,
+    FreeReport,
+    Ledger,
+    PinReport,
+    TenantReport,
+)
+from kvquota.errors import (
+    BlockStateError,
+    DoubleFreeError,
+    DuplicateIdError,
+    InputDtypeError,
+    InputShapeError,
+    QuotaValueError,
+    SequenceTooLongError,
+    StateMismatchError,
+    TenantExistsError,
+    TokenIdError,
+    UnknownSequenceError,
+    UnknownTenantError,
+)
+from kvquota.invariants import check_invariants
+from kvquota.sentinel import INVALID
+from kvquota.state import (
+    INT32_MAX,
+    SEQ_RUNNING,
+    KVState,
+    StateConfig,
+    group_salt,
+    init_state,
+    private_salt,
+)
+
+
+def _bucket(n: int) -> int:
+    """Smallest power of two >= max(n, 1): bounds recompiles to log2(max_seqs) sizes."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pad(ids, size: int) -> np.ndarray:
+    out = np.full(size, INVALID, np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
+def _int_array(name: str, value, ndim: int) -> np.ndarray:
+    """An integer array of rank `ndim` as int32; floats/bools/objects are rejected, not cast."""
+    if isinstance(value, (list, tuple)):
+        value = np.asarray(value)
+        if value.size == 0:
+            value = value.astype(np.int32)
+    if not isinstance(value, (np.ndarray, jax.Array)):
+        raise InputDtypeError(f"{name} must be an integer array, got {type(value).__name__}")
+    if value.dtype == bool or not np.issubdtype(value.dtype, np.integer):
+        raise InputDtypeError(f"{name} must have an integer dtype, got {value.dtype}")
+    if value.ndim != ndim:
+        raise InputShapeError(f"{name} must have rank {ndim}, got shape {tuple(value.shape)}")
+    arr = np.asarray(value)
+    if arr.size and (arr.min() < INVALID or arr.max() > INT32_MAX):
+        raise InputDtypeError(f"{name} has values outside [{INVALID}, {INT32_MAX}]")
+    return arr.astype(np.int32)
+
+
+def _int_scalar(name: str, value, error=QuotaValueError) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise error(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+class Allocator:
+    """Validating facade of the paged KV state for one static `StateConfig`."""
+
+    def __init__(self, config: StateConfig):
+        if not isinstance(config, StateConfig):
+            raise TypeError(f"config must be a StateConfig, got {type(config).__name__}")
+        self.config = config
+        self._shapes = jax.eval_shape(lambda: init_state(config))
+
+    # ---- state ---------------------------------------------------------------------------
+    def init(self) -> KVState:
+        """An empty state for this config."""
+        return init_state(self.config)
+
+    def check(self, state: KVState, **kwargs) -> dict:
+        """check_invariants(config, state): raises InvariantError on any difference."""
+        return check_invariants(self.config, state, **kwargs)
+
+    def ledger(self, state: KVState) -> Ledger:
+        """The per-tenant ledger view (bytes via its properties)."""
+        self._check_state(state)
+        return _ops.ledger_jit(self.config, state)
+
+    def _check_state(self, state):
+        if not isinstance(state, KVState):
+            raise StateMismatchError(f"expected a KVState, got {type(state).__name__}")
+        for name in self._shapes.__dataclass_fields__:
+            want, got = getattr(self._shapes, name), getattr(state, name)
+            if (want is None) != (got is None) or (
+                want is not None
+                and (tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype)
+            ):
+                raise StateMismatchError(f"state field {name} does not match this config")
+            if want is not None and isinstance(got, jax.Array) and got.is_deleted():
+                raise StateMismatchError(f"state field {name} was donated to an earlier call")
+
+    # ---- small host reads for validation ---------------------------------------------------
+    def _tenant(self, state, tenant, *, registered=True) -> int:
+        t = _int_scalar("tenant", tenant, UnknownTenantError)
+        if not 0 <= t < self.config.num_tenants:
+            raise UnknownTenantError(f"tenant {t} outside [0, {self.config.num_tenants})")
+        if registered and not bool(state.registered[t]):
+            raise UnknownTenantError(f"tenant {t} is not registered")
+        return t
+
+    def _running(self, state, seq_ids, what: str, error=UnknownSequenceError):
+        ids = seq_ids[seq_ids != INVALID]
+        bad = ids[(ids < 0) | (ids >= self.config.max_seqs)]
+        if bad.size:
+            raise error(f"{what}: sequence id {int(bad[0])} outside [0, {self.config.max_seqs})")
+        if ids.size:
+            status = np.asarray(state.seq_status)[ids]
+            if (status != SEQ_RUNNING).any():
+                raise error(f"{what}: sequence {int(ids[status != SEQ_RUNNING][0])} is not running")
+        return ids
+
+    def _heir_rows(self, state, salts, exclude) -> np.ndarray:
+        """Live sequence slots of tenants whose salt is in `salts` (the only possible heirs)."""
+        ten = np.asarray(state.seq_tenant)
+        salt = np.asarray(state.salt)
+        live = ten >= 0
+        rows = np.flatnonzero(live & np.isin(salt[np.maximum(ten, 0)], np.asarray(salts)))
+        rows = np.setdiff1d(rows, exclude)
+        return _pad(rows, _bucket(len(rows)))
+
+    # ---- tenants ---------------------------------------------------------------------------
+    def _quota_units(self, byte_quota) -> int:
+        b = _int_scalar("byte_quota", byte_quota)
+        if b < 0:
+            raise QuotaValueError(f"byte_quota must be >= 0, got {b}")
+        units = b // self.config.unit_bytes  # whole units: a cap, so round down
+        if units > INT32_MAX:
+            raise QuotaValueError(
+                f"byte_quota {b} exceeds the largest representable "
+                f"{INT32_MAX * self.config.unit_bytes} B"
+            )
+        return units
+
+    @staticmethod
+    def _nonneg(name, value, top=INT32_MAX) -> int:
+        v = _int_scalar(name, value)
+        if not 0 <= v <= top:
+            raise QuotaValueError(f"{name} must be in [0, {top}], got {v}")
+        return v
+
+    def register_tenant(self, state, tenant, *, token_quota, byte_quota,
+                        lease_expiry=INT32_MAX, share_group: Optional[int] = None,
+                        donate=False) -> tuple[KVState, TenantReport]:
+        """Register a tenant with a token quota (logical tokens), a byte quota (bytes of device
+        blocks charged to it; rounded down to whole byte units) and a lease expiry step.
+
+        Its prefix-cache salt is private unless `share_group` is given: tenants of the same group
+        share a salt and may then share prompt blocks.
+        """
+        self._check_state(state)
+        t = self._tenant(state, tenant, registered=False)
+        if bool(state.registered[t]):
+            raise TenantExistsError(f"tenant {t} is already registered")
+        tq = self._nonneg("token_quota", token_quota)
+        units = self._quota_units(byte_quota)
+        lease = self._nonneg("lease_expiry", lease_expiry)
+        if share_group is None:
+            salt = private_salt(t)
+        else:
+            g = self._nonneg("share_group", share_group, 2**31 - 1)
+            salt = group_salt(g)
+        fn = _ops.set_tenant_donated_jit if donate else _ops.set_tenant_jit
+        return fn(self.config, state, t, tq, units, lease, np.uint32(salt))
+
+    def register_tenant_donated(self, state, tenant, **kwargs):
+        """register_tenant; donates `state`."""
+        return self.register_tenant(state, tenant, donate=True, **kwargs)
+
+    def set_quota(self, state, tenant, *, token_quota=None, byte_quota=None,
+                  donate=False) -> tuple[KVState, TenantReport]:
+        """Raise or cut a tenant's quotas (None keeps the current value). Cutting below current
+        usage is allowed: the report says by how much it is over, which a reclaim then handles;
+        until then new admissions and appends of that tenant are refused."""
+        self._check_state(state)
+        t = self._tenant(state, tenant)
+        tq = int(state.token_quota[t]) if token_quota is None else self._nonneg(
+            "token_quota", token_quota)
+        units = int(state.byte_quota[t]) if byte_quota is None else self._quota_units(byte_quota)
+        fn = _ops.set_tenant_donated_jit if donate else _ops.set_tenant_jit
+        return fn(self.config, state, t, tq, units, int(state.lease_expiry[t]),
+                  np.uint32(state.salt[t]))
+
+    def set_quota_donated(self, state, tenant, **kwargs):
+        """set_quota; donates `state`."""
+        return self.set_quota(state, tenant, donate=True, **kwargs)
+
+    def set_lease(self, state, tenant, lease_expiry, *, donate=False):
+        """Move a tenant's lease expiry step (release_tenant is the action at expiry)."""
+        self._check_state(state)
+        t = self._tenant(state, tenant)
+        lease = self._nonneg("lease_expiry", lease_expiry)
+        fn = _ops.set_tenant_donated_jit if donate else _ops.set_tenant_jit
+        return fn(self.config, state, t, int(state.token_quota[t]), int(state.byte_quota[t]),
+                  lease, np.uint32(state.salt[t]))
+
+    def set_lease_donated(self, state, tenant, lease_expiry):
+        """set_lease; donates `state`."""
+        return self.set_lease(state, tenant, lease_expiry, donate=True)
+
+    def expired_tenants(self, state, step: int) -> np.ndarray:
+        """Registered tenants whose lease_expiry <= step."""
+        self._check_state(state)
+        step = _int_scalar("step", step)
+        return np.flatnonzero(np.asarray(state.registered) & (np.asarray(state.lease_expiry) <= step))
+
+    # ---- admit / append / fork -------------------------------------------------------------
+    def admit(self, state, tenants, tokens, lengths, *, donate=False
+              ) -> tuple[KVState, AdmitReport]:
+        """Admit prompts. tenants i32[B] (INVALID rows are padding), tokens i32[B, Tmax] (row i's
+        first lengths[i] entries are its prompt), lengths i32[B].
+
+        Full prompt blocks found in the prefix cache (same salt, hash, token ids and parent
+        chain) are taken by reference; the rest are allocated from pool 0. A row that would go
+        over its tenant's quotas, the pool or the sequence slots is refused and allocates
+        nothing. The slots of all prompt tokens are reserved (seq_lens = length); the caller
+        writes the K/V of tokens [cached_tokens, length) into those slots (prefill) before the
+        sequence is attended or another admit runs.
+        """
+        self._check_state(state)
+        c = self.config
+        ten = _int_array("tenants", tenants, 1)
+        tok = _int_array("tokens", tokens, 2)
+        lens = _int_array("lengths", lengths, 1)
+        b = ten.shape[0]
+        if b == 0 or tok.shape[0] != b or lens.shape[0] != b:
+            raise InputShapeError(
+                f"tenants {ten.shape}, tokens {tok.shape}, lengths {lens.shape}: need B >= 1 rows each")
+        if tok.shape[1] > c.max_tokens_per_seq:
+            raise SequenceTooLongError(
+                f"tokens has {tok.shape[1]} columns; a sequence holds at most "
+                f"{c.max_tokens_per_seq} = {c.max_blocks_per_seq} blocks x {c.block_size}")
+        real = ten != INVALID
+        for t in np.unique(ten[real]):
+            self._tenant(state, t)
+        if (real & ((lens < 1) | (lens > tok.shape[1]))).any():
+            i = int(np.flatnonzero(real & ((lens < 1) | (lens > tok.shape[1])))[0])
+            raise TokenIdError(f"lengths[{i}] = {lens[i]} outside [1, {tok.shape[1]}]")
+        in_prompt = real[:, None] & (np.arange(tok.shape[1])[None, :] < lens[:, None])
+        if ((tok < 0) | (tok >= c.model.vocab_size))[in_prompt].any():
+            raise TokenIdError(f"prompt token ids must be in [0, {c.model.vocab_size})")
+        fn = _ops.admit_donated_jit if donate else _ops.admit_jit
+        return fn(c, state, ten, tok, np.where(real, lens, 0).astype(np.int32))
+
+    def admit_donated(self, state, tenants, tokens, lengths):
+        """admit; donates `state`."""
+        return self.admit(state, tenants, tokens, lengths, donate=True)
+
+    def append(self, state, seq_ids, tokens, *, donate=False) -> tuple[KVState, AppendReport]:
+        """Append one token to each sequence: seq_ids i32[B] (unique; INVALID = padding),
+        tokens i32[B]. A block is allocated when a boundary is crossed; rows over quota or pool
+        are refused. The report names the (block, offset) slot where the caller writes the
+        token's K/V."""
+        self._check_state(state)
+        c = self.config
+        ids = _int_array("seq_ids", seq_ids, 1)
+        tok = _int_array("tokens", tokens, 1)
+        if ids.shape != tok.shape or ids.size == 0:
+            raise InputShapeError(f"seq_ids {ids.shape} and tokens {tok.shape} must be [B], B >= 1")
+        real_ids = self._running(state, ids, "append")
+        if len(np.unique(real_ids)) != len(real_ids):
+            raise DuplicateIdError("append: a sequence appears twice in one call")
+        real = ids != INVALID
+        if ((tok < 0) | (tok >= c.model.vocab_size))[real].any():
+            raise TokenIdError(f"token ids must be in [0, {c.model.vocab_size})")
+        if real_ids.size and (np.asarray(state.seq_lens)[real_ids] >= c.max_tokens_per_seq).any():
+            raise SequenceTooLongError(
+                f"append: a sequence already holds {c.max_tokens_per_seq} tokens (table full)")
+        fn = _ops.append_donated_jit if donate else _ops.append_jit
+        return fn(c, state, ids, tok)
+
+    def append_donated(self, state, seq_ids, tokens):
+        """append; donates `state`."""
+        return self.append(state, seq_ids, tokens, donate=True)
+
+    def fork(self, state, seq_ids, *, donate=False) -> tuple[KVState, ForkReport]:
+        """Fork running sequences (i32[B], INVALID = padding) into new slots of the same tenant:
+        full blocks shared by reference, the partly filled last block copied."""
+        self._check_state(state)
+        ids = _int_array("seq_ids", seq_ids, 1)
+        if ids.size == 0:
+            raise InputShapeError("seq_ids must have at least one row")
+        self._running(state, ids, "fork")
+        fn = _ops.fork_donated_jit if donate else _ops.fork_jit
+        return fn(self.config, state, ids)
+
+    def fork_donated(self, state, seq_ids):
+        """fork; donates `state`."""
+        return self.fork(state, seq_ids, donate=True)
+
+    # ---- pins ------------------------------------------------------------------------------
+    def _blocks(self, state, block_ids, what):
+        ids = _int_array("block_ids", block_ids, 1)
+        if ids.size == 0:
+            raise InputShapeError("block_ids must have at least one row")
+        real = ids[ids != INVALID]
+        if ((real < 0) | (real >= self.config.total_blocks)).any():
+            raise BlockStateError(f"{what}: block id outside [0, {self.config.total_blocks})")
+        if len(np.unique(real)) != len(real):
+            raise DuplicateIdError(f"{what}: a block appears twice in one call")
+        return ids, real
+
+    def pin_blocks(self, state, block_ids, *, donate=False) -> tuple[KVState, PinReport]:
+        """Pin held blocks (i32[B]); pinning a free block is an error. A pinned block stays
+        resident and charged even with no references, and prefix lookups may still hit it."""
+        self._check_state(state)
+        ids, real = self._blocks(state, block_ids, "pin")
+        if real.size:
+            held = (np.asarray(state.ref_count[real]) > 0) | (np.asarray(state.pin_count[real]) > 0)
+            if not held.all():
+                raise BlockStateError(f"pin: block {int(real[~held][0])} is free")
+        fn = _ops.pin_donated_jit if donate else _ops.pin_jit
+        return fn(self.config, state, ids)
+
+    def pin_blocks_donated(self, state, block_ids):
+        """pin_blocks; donates `state`."""
+        return self.pin_blocks(state, block_ids, donate=True)
+
+    def unpin_blocks(self, state, block_ids, *, donate=False) -> tuple[KVState, FreeReport]:
+        """Drop one pin on each block (i32[B]); blocks held by nothing return to their pool."""
+        self._check_state(state)
+        ids, real = self._blocks(state, block_ids, "unpin")
+        if real.size and (np.asarray(state.pin_count[real]) <= 0).any():
+            bad = real[np.asarray(state.pin_count[real]) <= 0][0]
+            raise BlockStateError(f"unpin: block {int(bad)} is not pinned")
+        payers = np.asarray(state.payer[real]) if real.size else np.zeros(0, np.int32)
+        heirs = self._heir_rows(state, np.asarray(state.salt)[payers], [])
+        fn = _ops.unpin_donated_jit if donate else _ops.unpin_jit
+        return fn(self.config, state, ids, heirs)
+
+    def unpin_blocks_donated(self, state, block_ids):
+        """unpin_blocks; donates `state`."""
+        return self.unpin_blocks(state, block_ids, donate=True)
+
+    def _prefix(self, state, seq_id, num_blocks):
+        sid = _int_scalar("seq_id", seq_id, UnknownSequenceError)
+        self._running(state, np.array([sid], np.int32), "prefix")
+        n = _int_scalar("num_blocks", num_blocks, BlockStateError)
+        have = -(-int(state.seq_lens[sid]) // self.config.block_size)
+        if not 1 <= n <= have:
+            raise BlockStateError(f"num_blocks {n} outside [1, {have}] for sequence {sid}")
+        return np.asarray(state.block_tables[sid, :n])
+
+    def pin_prefix(self, state, seq_id, num_blocks, *, donate=False):
+        """Pin the first `num_blocks` blocks of a running sequence (e.g. its system prompt)."""
+        self._check_state(state)
+        return self.pin_blocks(state, self._prefix(state, seq_id, num_blocks), donate=donate)
+
+    def pin_prefix_donated(self, state, seq_id, num_blocks):
+        """pin_prefix; donates `state`."""
+        return self.pin_prefix(state, seq_id, num_blocks, donate=True)
+
+    def unpin_prefix(self, state, seq_id, num_blocks, *, donate=False):
+        """Unpin the first `num_blocks` blocks of a running sequence."""
+        self._check_state(state)
+        return self.unpin_blocks(state, self._prefix(state, seq_id, num_blocks), donate=donate)
+
+    def unpin_prefix_donated(self, state, seq_id, num_blocks):
+        """unpin_prefix; donates `state`."""
+        return self.unpin_prefix(state, seq_id, num_blocks, donate=True)
+
+    # ---- free / release --------------------------------------------------------------------
+    def free(self, state, seq_ids, *, donate=False) -> tuple[KVState, FreeReport]:
+        """Free sequences (i32[B], INVALID = padding): one reference dropped per block-table
+        entry; blocks held by nothing return to their pool with their hash entries cleared."""
+        self._check_state(state)
+        ids = _int_array("seq_ids", seq_ids, 1)
+        if ids.size == 0:
+            raise InputShapeError("seq_ids must have at least one row")
+        real = self._running(state, ids, "free", error=DoubleFreeError)
+        if len(np.unique(real)) != len(real):
+            raise DoubleFreeError("free: a sequence appears twice in one call")
+        ten = np.asarray(state.seq_tenant)[real]
+        heirs = self._heir_rows(state, np.asarray(state.salt)[ten], real)
+        rows = _pad(real, _bucket(len(real)))
+        fn = _ops.drop_donated_jit if donate else _ops.drop_jit
+        return fn(self.config, state, rows, heirs, None, 0)
+
+    def free_donated(self, state, seq_ids):
+        """free; donates `state`."""
+        return self.free(state, seq_ids, donate=True)
+
+    def release_plan(self, state, tenant, unpin=False):
+        """Host-side inputs of the jitted release (tenant's rows, heir rows, pin slots)."""
+        t = self._tenant(state, tenant)
+        ten = np.asarray(state.seq_tenant)
+        rows = np.flatnonzero(ten == t)
+        heirs = self._heir_rows(state, np.asarray(state.salt)[[t]], rows)
+        slots = _bucket(int(np.asarray(state.pinned_blocks[t]).sum())) if unpin else 0
+        if unpin and int(np.asarray(state.pinned_blocks[t]).sum()) == 0:
+            slots = 0
+        return t, _pad(rows, _bucket(len(rows))), heirs, slots
+
+    def release_tenant(self, state, tenant, *, unpin=False, donate=False
+                       ) -> tuple[KVState, FreeReport]:
+        """Release a tenant (e.g. at lease expiry): walk each of its block tables entry by entry,
+        dropping one reference per entry. Its pinned blocks stay pinned and charged unless
+        `unpin=True`. Shared blocks it paid for that others still reference pass their charge to
+        the lowest-id remaining referencer (reported, with heirs pushed over their byte quota)."""
+        self._check_state(state)
+        if not isinstance(unpin, bool):
+            raise InputDtypeError(f"unpin must be a bool, got {unpin!r}")
+        t, rows, heirs, slots = self.release_plan(state, tenant, unpin)
+        fn = _ops.drop_donated_jit if donate else _ops.drop_jit
+        return fn(self.config, state, rows, heirs, np.int32(t) if slots else None, slots)
+
+    def release_tenant_donated(self, state, tenant, *, unpin=False):
+        """release_tenant; donates `state`."""
+        return self.release_tenant(state, tenant, unpin=unpin, donate=True)

@@ -1,0 +1,65 @@
+"""Typed errors of the public state API. All are ValueErrors, so callers can catch broadly; the
+facade raises them before any jitted (possibly donating) call, so the state is never touched."""
+
+
+class KVQuotaError(ValueError):
+    """Base class of every error raised by kvquota's state API."""
+
+
+class StateMismatchError(KVQuotaError):
+    """The state is not a KVState, or its arrays do not have the shapes the config fixes."""
+
+
+class InputShapeError(KVQuotaError):
+    """An input array has the wrong rank or shape."""
+
+
+class InputDtypeError(KVQuotaError):
+    """An input is not an integer array (floats and bools are rejected, never cast)."""
+
+
+class UnknownTenantError(KVQuotaError):
+    """The tenant id is outside [0, num_tenants) or the tenant is not registered."""
+
+
+class TenantExistsError(KVQuotaError):
+    """Registering a tenant slot that is already registered."""
+
+
+class QuotaValueError(KVQuotaError):
+    """A quota or lease value is negative, not an integer, or too large for the state."""
+
+
+class UnknownSequenceError(KVQuotaError):
+    """The sequence id is out of range or the slot holds no running sequence."""
+
+
+class DoubleFreeError(UnknownSequenceError):
+    """Freeing a sequence that is already free (or twice in one call)."""
+
+
+class DuplicateIdError(KVQuotaError):
+    """The same sequence or block id appears twice in a call where that is ambiguous."""
+
+
+class SequenceTooLongError(KVQuotaError):
+    """A prompt or an append does not fit in the block table (max_blocks_per_seq x block_size)."""
+
+
+class TokenIdError(KVQuotaError):
+    """A token id is negative or outside the model's vocabulary, or a prompt length is invalid."""
+
+
+class BlockStateError(KVQuotaError):
+    """A block id is out of range, or the block is in the wrong state (pinning a free block,
+    unpinning a block that is not pinned)."""
+
+
+class InvariantError(KVQuotaError):
+    """`check_invariants` found state that disagrees with its recomputation from the tables."""
+
+    def __init__(self, problems):
+        self.problems = list(problems)
+        shown = "\n  ".join(self.problems[:20])
+        more = f"\n  ... and {len(self.problems) - 20} more" if len(self.problems) > 20 else ""
+        super().__init__(f"{len(self.problems)} invariant(s) violated:\n  {shown}{more}")
