@@ -1,0 +1,561 @@
+"""Serving on the paged KV state: admit + chunked prefill, decode steps, generation, scoring.
+
+`PagedEngine` drives the model (`kvquota.model.Decoder`) over the functional state through the
+state's validating facade (`kvquota.allocator.Allocator`), always with its *donating* variants
+(`admit_donated`, `append_donated`, `free_donated`): a serving loop that copied the whole cache
+each step would measure the copy, not the cache. The model's own jitted forward donates the state
+too. The engine owns `self.state`; it replaces it after each call and never reuses an old one.
+
+One request's life:
+  1. `admit`: the allocator reserves every prompt slot, taking full prompt blocks already in the
+     prefix cache (same salt) by reference and reporting `cached_tokens`;
+  2. prefill in chunks of `chunk_size`: the model writes the K/V of prompt tokens
+     [cached_tokens, length) into the sequence's pages and attends through
+     `kernels.paged_attention.prefill`;
+  3. decode steps: `append` reserves the next slot (allocating a block at a boundary), then the
+     model writes that token's K/V and attends through `kernels.paged_attention.decode`;
+  4. `free` drops one reference per block-table entry.
+
+`DenseEngine` runs the same model, prompts and sampling over a contiguous cache: the reference
+the paged path is tested and benchmarked against. Both share `generate` and `score`.
+
+Positions: a token's cache index is `seq_lens` before it is written; its RoPE position is the
+state's logical `positions` (they differ after eviction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs.models import ModelConfig
+from kvquota.model import (
+    ChunkMeta,
+    ContextTooLongError,
+    Decoder,
+    DenseKV,
+    PagedKV,
+    init_dense_cache,
+)
+from kvquota.sentinel import INVALID
+
+# --------------------------------------------------------------------------------------------
+# Jitted model calls.
+
+
+def _select_last(logits, num_new):
+    """logits [B, T, V] -> [B, V] at each row's last real token (row of 0 tokens: index 0)."""
+    idx = jnp.maximum(num_new - 1, 0)[:, None, None]
+    return jnp.take_along_axis(logits, idx, axis=1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "last_only"), donate_argnames=("state",))
+def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_new, positions,
+                   *, last_only: bool):
+    """One chunk over the paged state (donates `state`).
+
+    seq_ids i32[B] (INVALID rows are padding), tokens/positions i32[B, T], start/num_new i32[B].
+    Returns (state with the chunk's K/V written, logits [B, V] if last_only else [B, T, V]).
+    """
+    valid = seq_ids >= 0
+    tables = state.block_tables[jnp.clip(seq_ids, 0)]
+    tables = jnp.where(valid[:, None], tables, INVALID)
+    num_new = jnp.where(valid, num_new, 0)
+    meta = ChunkMeta(start=start, num_new=num_new, block_tables=tables)
+    cache = PagedKV(k_pages=state.k_pages, v_pages=state.v_pages)
+    logits, cache = model.apply({"params": params}, tokens, positions, cache, meta)
+    state = state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+    return state, (_select_last(logits, num_new) if last_only else logits)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "last_only"), donate_argnames=("cache",))
+def _dense_forward(model: Decoder, params, cache, tokens, start, num_new, positions,
+                   *, last_only: bool):
+    """One chunk over a DenseKV cache (donates `cache`); rows are the batch's sequences."""
+    meta = ChunkMeta(start=start, num_new=num_new)
+    logits, cache = model.apply({"params": params}, tokens, positions, cache, meta)
+    return cache, (_select_last(logits, num_new) if last_only else logits)
+
+
+@jax.jit
+def _token_logprobs(logits, targets):
+    """log p(targets) f32[B, T] and argmax i32[B, T] of logits [B, T, V]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return picked, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling.
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen.
+
+    Attributes:
+      temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
+      top_k: if > 0, sample only among the k most likely tokens.
+      seed: seeds the sampler; step s of a generation uses fold_in(key(seed), s).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
+def sample_tokens(logits, key, *, temperature: float, top_k: int):
+    """Next tokens i32[B] from logits [B, V]: greedy when temperature == 0."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / temperature
+    if top_k:
+        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Results.
+
+
+@dataclasses.dataclass
+class Generation:
+    """One request's outcome.
+
+    Attributes:
+      tokens: generated token ids (the prompt excluded).
+      finish: "stop" (a stop id, included in tokens), "length" (max_new_tokens), or
+        "refused: <reason>" (admit refused, nothing generated) or "append refused: <reason>"
+        (a quota or the pool ran out mid-generation).
+      seq_id: sequence slot (paged), or the batch row (dense).
+      cached_tokens: prompt tokens served from the prefix cache (0 on the dense path).
+    """
+
+    tokens: list[int]
+    finish: str
+    seq_id: int
+    cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class ScoreResult:
+    """Teacher-forced scoring of one token sequence.
+
+    Attributes:
+      token_ids: the ids fed to the model (T).
+      nll: f64[T - 1]: -log p(token_{i+1} | tokens_{<=i}), natural log.
+      top1: i32[T]: the model's most likely next token at each position.
+      logits: f32[T, V] when asked for, else None.
+    """
+
+    token_ids: list[int]
+    nll: np.ndarray
+    top1: np.ndarray
+    logits: np.ndarray | None = None
+
+    @property
+    def ppl(self) -> float:
+        """exp(mean nll)."""
+        return float(np.exp(np.mean(self.nll)))
+
+
+def _bucket(n: int, cap: int) -> int:
+    """Chunk length for n remaining tokens: a power of two, at most `cap` (few compiles)."""
+    return min(cap, 1 << max(0, n - 1).bit_length())
+
+
+def _check_context(config: ModelConfig, total: int, what: str):
+    if total > config.max_context:
+        raise ContextTooLongError(
+            f"{what}: {total} tokens exceed {config.name}'s max_context {config.max_context}"
+        )
+
+
+def _check_prompts(config: ModelConfig, prompts, extra: int):
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) < 1:
+            raise ValueError(f"prompt {i} is empty")
+        _check_context(config, len(prompt) + extra, f"prompt {i} + {extra} new tokens")
+        bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size}): {bad[:5]}")
+
+
+# --------------------------------------------------------------------------------------------
+# Engines.
+
+
+class _Engine:
+    """Generation and scoring written once over `_prefill` and `_decode` (paged or dense)."""
+
+    config: ModelConfig
+    chunk_size: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 tenants: Sequence[int] | None = None, sampling: Sampling = Sampling(),
+                 stop_ids: Sequence[int] = (), release: bool = True) -> list[Generation]:
+        """Generates up to `max_new_tokens` for each prompt, batched (rows stop independently).
+
+        `tenants` (paged engine only) names each prompt's tenant. With `release`, finished
+        sequences are freed at the end; otherwise they stay cached (for a later `free`).
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        _check_prompts(self.config, prompts, max_new_tokens)
+        ids, cached, refused, last = self._prefill(prompts, tenants)
+        b = len(prompts)
+        out = [Generation([], "length", int(ids[i]), int(cached[i])) for i in range(b)]
+        live = np.ones(b, bool)
+        for i in range(b):
+            if refused[i]:
+                out[i].finish = f"refused: {refused[i]}"
+                live[i] = False
+        stops = set(int(s) for s in stop_ids)
+        key = jax.random.key(sampling.seed)
+        for step in range(max_new_tokens):
+            if not live.any():
+                break
+            nxt = np.asarray(sample_tokens(
+                last, jax.random.fold_in(key, step),
+                temperature=float(sampling.temperature), top_k=int(sampling.top_k)))
+            for i in np.flatnonzero(live):
+                out[i].tokens.append(int(nxt[i]))
+                if int(nxt[i]) in stops:
+                    out[i].finish = "stop"
+                    live[i] = False
+            if step == max_new_tokens - 1 or not live.any():
+                break
+            rows = np.where(live, ids, INVALID).astype(np.int32)
+            appended, reasons, last = self._decode(rows, np.where(live, nxt, 0).astype(np.int32))
+            for i in np.flatnonzero(live & ~appended):
+                out[i].finish = f"append refused: {reasons[i]}"
+                live[i] = False
+        if release:
+            self._release(ids[ids >= 0])
+        return out
+
+    def score(self, token_ids: Sequence[int], *, return_logits: bool = False,
+              tenant: int | None = None) -> ScoreResult:
+        """Teacher-forced scoring: nll of each token given the ones before (prefill in chunks)."""
+        ids = [int(t) for t in token_ids]
+        if len(ids) < 2:
+            raise ValueError(f"scoring needs at least 2 tokens, got {len(ids)}")
+        _check_prompts(self.config, [ids], 0)
+        logits_chunks = self._prefill_all(ids, tenant)
+        total = sum(int(c.shape[1]) for c in logits_chunks)
+        targets = np.zeros(total, np.int32)  # padding positions score token 0, then are cut
+        targets[: len(ids) - 1] = ids[1:]
+        nll, top1, kept = [], [], []
+        at = 0
+        for logits in logits_chunks:
+            t = logits.shape[1]
+            lp, am = _token_logprobs(logits, jnp.asarray(targets[None, at:at + t]))
+            nll.append(-np.asarray(lp[0], np.float64))
+            top1.append(np.asarray(am[0]))
+            if return_logits:
+                kept.append(np.asarray(logits[0]))
+            at += t
+        return ScoreResult(
+            token_ids=ids,
+            nll=np.concatenate(nll)[: len(ids) - 1],
+            top1=np.concatenate(top1)[: len(ids)],
+            logits=np.concatenate(kept)[: len(ids)] if return_logits else None,
+        )
+
+
+class PagedEngine(_Engine):
+    """The model serving from the paged KV state (see the module docstring).
+
+    Args:
+      config: model preset; params: its parameters (`kvquota.weights` layout).
+      state_config: the state's static config (`kvquota.state.StateConfig`, model == config).
+      chunk_size: prefill chunk length (tokens per sequence per forward call).
+      backend: `kernels.paged_attention` backend ("auto": Pallas on GPU, reference on CPU).
+      state: an existing state to serve from (default: a fresh one); the engine takes it over.
+    """
+
+    def __init__(self, config: ModelConfig, params, state_config, *, chunk_size: int = 256,
+                 backend: str = "auto", state=None):
+        from kvquota.allocator import Allocator
+
+        if state_config.model != config:
+            raise ValueError(
+                f"state_config.model is {state_config.model.name!r}, the model is {config.name!r}"
+            )
+        if not state_config.with_pages:
+            raise ValueError("the paged engine needs a state with pages (with_pages=True)")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.config = config
+        self.params = params
+        self.allocator = Allocator(state_config)
+        self.state = self.allocator.init() if state is None else state
+        self.chunk_size = chunk_size
+        self.model = Decoder(config, backend=backend)
+
+    @property
+    def state_config(self):
+        return self.allocator.config
+
+    @property
+    def max_byte_quota(self) -> int:
+        """The largest byte quota the state represents (int32 count of its byte units)."""
+        return (2**31 - 1) * self.state_config.unit_bytes
+
+    def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
+                        share_group: int | None = None):
+        """Registers a tenant (quotas in tokens and bytes; a shared group shares prefixes)."""
+        self.state, report = self.allocator.register_tenant_donated(
+            self.state, tenant, token_quota=token_quota, byte_quota=byte_quota,
+            share_group=share_group)
+        return report
+
+    def ledger(self):
+        return self.allocator.ledger(self.state)
+
+    # ---- the serving steps ---------------------------------------------------------------
+    def admit(self, tenants: Sequence[int], prompts: Sequence[Sequence[int]], *,
+              last_only: bool = True):
+        """Admits prompts and prefills their uncached tokens in chunks.
+
+        Returns (AdmitReport with host arrays, per-chunk logits): with `last_only`, one
+        f32[B, V] array of each row's last prompt token's logits; otherwise the list of
+        f32[B, T_c, V] logits of every chunk (positions cached_tokens onwards).
+        """
+        b = len(prompts)
+        if len(tenants) != b:
+            raise ValueError(f"{len(tenants)} tenants for {b} prompts")
+        lens = np.array([len(p) for p in prompts], np.int32)
+        width = int(lens.max())
+        toks = np.zeros((b, width), np.int32)
+        for i, p in enumerate(prompts):
+            toks[i, : len(p)] = p
+        self.state, report = self.allocator.admit_donated(
+            self.state, np.asarray(tenants, np.int32), toks, lens)
+        report = jax.tree_util.tree_map(np.asarray, report)
+        seq_ids = np.where(report.admitted, report.seq_id, INVALID).astype(np.int32)
+        cached = np.where(report.admitted, report.cached_tokens, 0).astype(np.int32)
+        # Logical position of cache index 0 (positions = RoPE position of the next token).
+        pos0 = np.asarray(self.state.positions)[np.maximum(seq_ids, 0)] - lens
+        last = np.zeros((b, self.config.vocab_size), np.float32)
+        chunks = []
+        done = np.where(report.admitted, cached, lens)
+        while (done < lens).any():
+            t = _bucket(int((lens - done).max()), self.chunk_size)
+            num_new = np.clip(lens - done, 0, t).astype(np.int32)
+            idx = done[:, None] + np.arange(t)[None, :]
+            chunk_tokens = np.take_along_axis(toks, np.minimum(idx, width - 1), axis=1)
+            positions = (pos0[:, None] + idx).astype(np.int32)
+            self.state, logits = _paged_forward(
+                self.model, self.params, self.state, jnp.asarray(seq_ids),
+                jnp.asarray(chunk_tokens), jnp.asarray(done, jnp.int32),
+                jnp.asarray(num_new), jnp.asarray(positions), last_only=last_only)
+            if last_only:
+                finishing = (num_new > 0) & (done + num_new == lens)
+                last[finishing] = np.asarray(logits)[finishing]
+            else:
+                chunks.append(logits)
+            done = done + num_new
+        return report, (last if last_only else chunks)
+
+    def decode(self, seq_ids, tokens):
+        """One decode step: append `tokens` i32[B] to `seq_ids` i32[B] (INVALID = padding) and
+        run the model on them. Returns (AppendReport with host arrays, logits f32[B, V])."""
+        seq_ids = np.asarray(seq_ids, np.int32)
+        real = seq_ids >= 0
+        state = self.state
+        start = np.where(real, np.asarray(state.seq_lens)[np.maximum(seq_ids, 0)], 0)
+        position = np.where(real, np.asarray(state.positions)[np.maximum(seq_ids, 0)], 0)
+        if real.any():
+            _check_context(self.config, int(position[real].max()) + 1, "decode")
+        self.state, report = self.allocator.append_donated(state, seq_ids, tokens)
+        report = jax.tree_util.tree_map(np.asarray, report)
+        rows = np.where(report.appended, seq_ids, INVALID).astype(np.int32)
+        self.state, logits = _paged_forward(
+            self.model, self.params, self.state, jnp.asarray(rows),
+            jnp.asarray(np.asarray(tokens, np.int32)[:, None]),
+            jnp.asarray(start.astype(np.int32)), jnp.asarray(report.appended.astype(np.int32)),
+            jnp.asarray(position.astype(np.int32)[:, None]), last_only=True)
+        return report, logits
+
+    def free(self, seq_ids):
+        """Frees sequences (one reference dropped per block-table entry)."""
+        seq_ids = np.asarray(seq_ids, np.int32)
+        self.state, report = self.allocator.free_donated(self.state, seq_ids)
+        return report
+
+    # ---- hooks of _Engine ----------------------------------------------------------------
+    def _prefill(self, prompts, tenants):
+        if tenants is None:
+            raise ValueError("the paged engine needs a tenant per prompt")
+        report, last = self.admit(tenants, prompts)
+        refused = np.array(
+            ["" if ok else reason for ok, reason in zip(report.admitted, report.reasons())],
+            dtype=object)
+        ids = np.where(report.admitted, report.seq_id, INVALID).astype(np.int32)
+        cached = np.where(report.admitted, report.cached_tokens, 0)
+        return ids, cached, refused, jnp.asarray(last)
+
+    def _decode(self, rows, tokens):
+        report, logits = self.decode(rows, tokens)
+        return report.appended | (rows < 0), report.reasons(), logits
+
+    def _release(self, ids):
+        if len(ids):
+            self.free(ids)
+
+    def _prefill_all(self, ids, tenant):
+        if tenant is None:
+            raise ValueError("the paged engine needs the tenant to score as")
+        report, chunks = self.admit([tenant], [ids], last_only=False)
+        if not report.admitted[0]:
+            raise RuntimeError(f"scoring refused by the allocator: {report.reasons()[0]}")
+        if report.cached_tokens[0]:
+            raise RuntimeError("scoring needs every position computed; prefix cache hit "
+                               f"{report.cached_tokens[0]} tokens (use a private tenant)")
+        self.free(report.seq_id[:1])
+        return chunks
+
+
+class DenseEngine(_Engine):
+    """The same model over a contiguous cache `[L, B, Hkv, S, D]`: the paged path's reference.
+
+    Rows are independent sequences; each `generate`/`score` call starts from an empty cache of
+    `capacity` tokens per row (no prefix cache, no quotas).
+    """
+
+    def __init__(self, config: ModelConfig, params, *, capacity: int, chunk_size: int = 256,
+                 cache_dtype=jnp.float32):
+        _check_context(config, capacity, "dense cache capacity")
+        self.config = config
+        self.params = params
+        self.capacity = capacity
+        self.chunk_size = chunk_size
+        self.cache_dtype = cache_dtype
+        self.model = Decoder(config)
+        self.cache: DenseKV | None = None
+        self._lens = np.zeros(0, np.int32)
+
+    def prefill(self, prompts, *, last_only: bool = True):
+        """Fresh cache with one row per prompt; chunked prefill. Returns logits as in
+        `PagedEngine.admit`."""
+        b = len(prompts)
+        lens = np.array([len(p) for p in prompts], np.int32)
+        if lens.max() > self.capacity:
+            raise ContextTooLongError(f"prompt of {lens.max()} tokens > capacity {self.capacity}")
+        width = int(lens.max())
+        toks = np.zeros((b, width), np.int32)
+        for i, p in enumerate(prompts):
+            toks[i, : len(p)] = p
+        self.cache = init_dense_cache(self.config, b, self.capacity, self.cache_dtype)
+        done = np.zeros(b, np.int32)
+        last = np.zeros((b, self.config.vocab_size), np.float32)
+        chunks = []
+        while (done < lens).any():
+            t = _bucket(int((lens - done).max()), self.chunk_size)
+            num_new = np.clip(lens - done, 0, t).astype(np.int32)
+            idx = done[:, None] + np.arange(t)[None, :]
+            chunk_tokens = np.take_along_axis(toks, np.minimum(idx, width - 1), axis=1)
+            self.cache, logits = _dense_forward(
+                self.model, self.params, self.cache, jnp.asarray(chunk_tokens),
+                jnp.asarray(done), jnp.asarray(num_new), jnp.asarray(idx.astype(np.int32)),
+                last_only=last_only)
+            if last_only:
+                finishing = (num_new > 0) & (done + num_new == lens)
+                last[finishing] = np.asarray(logits)[finishing]
+            else:
+                chunks.append(logits)
+            done = done + num_new
+        self._lens = lens.copy()
+        return last if last_only else chunks
+
+    def decode(self, rows, tokens):
+        """One step: rows i32[B] (a row's own index, or INVALID to skip) -> logits f32[B, V]."""
+        rows = np.asarray(rows, np.int32)
+        real = rows >= 0
+        if (self._lens[real] >= self.capacity).any():
+            raise ContextTooLongError(f"dense cache capacity {self.capacity} reached")
+        start = self._lens.copy()
+        self.cache, logits = _dense_forward(
+            self.model, self.params, self.cache,
+            jnp.asarray(np.asarray(tokens, np.int32)[:, None]), jnp.asarray(start),
+            jnp.asarray(real.astype(np.int32)), jnp.asarray(start[:, None]), last_only=True)
+        self._lens = self._lens + real
+        return logits
+
+    def _prefill(self, prompts, tenants):
+        b = len(prompts)
+        last = self.prefill(prompts)
+        return (np.arange(b, dtype=np.int32), np.zeros(b, np.int32),
+                np.array([""] * b, dtype=object), jnp.asarray(last))
+
+    def _decode(self, rows, tokens):
+        logits = self.decode(rows, tokens)
+        return np.ones(len(rows), bool), [""] * len(rows), logits
+
+    def _release(self, ids):
+        pass
+
+    def _prefill_all(self, ids, tenant):
+        return self.prefill([ids], last_only=False)
+
+
+# --------------------------------------------------------------------------------------------
+# One-call helpers (CLIs, tests).
+
+
+def scoring_state_config(config: ModelConfig, num_tokens: int, *, block_size: int = 16,
+                         kv_format: str = "f32"):
+    """A one-sequence, one-tenant state just large enough for `num_tokens`."""
+    from kvquota.state import StateConfig
+
+    blocks = math.ceil(num_tokens / block_size)
+    return StateConfig(model=config, num_blocks=blocks, block_size=block_size, max_seqs=1,
+                       max_blocks_per_seq=blocks, num_tenants=1, kv_format=kv_format)
+
+
+def score(config: ModelConfig, params, token_ids: Sequence[int], *, chunk_size: int = 256,
+          return_logits: bool = False, block_size: int = 16, kv_format: str = "f32",
+          backend: str = "auto") -> ScoreResult:
+    """Teacher-forced scoring of `token_ids` on the paged path (a fresh one-tenant state)."""
+    _check_context(config, len(token_ids), "scoring")
+    engine = PagedEngine(
+        config, params, scoring_state_config(config, len(token_ids), block_size=block_size,
+                                             kv_format=kv_format),
+        chunk_size=chunk_size, backend=backend)
+    engine.register_tenant(0, token_quota=len(token_ids), byte_quota=engine.max_byte_quota)
+    return engine.score(token_ids, return_logits=return_logits, tenant=0)
+
+
+def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, *, sampling: Sampling = Sampling(),
+             stop_ids: Sequence[int] = (), chunk_size: int = 256, block_size: int = 16,
+             kv_format: str = "f32", backend: str = "auto") -> list[Generation]:
+    """Generates for `prompts` on the paged path (a fresh state, one private tenant)."""
+    from kvquota.state import StateConfig
+
+    _check_prompts(config, prompts, max_new_tokens)
+    per_seq = math.ceil((max(len(p) for p in prompts) + max_new_tokens) / block_size)
+    state_config = StateConfig(
+        model=config, num_blocks=per_seq * len(prompts), block_size=block_size,
+        max_seqs=len(prompts), max_blocks_per_seq=per_seq, num_tenants=1, kv_format=kv_format)
+    engine = PagedEngine(config, params, state_config, chunk_size=chunk_size, backend=backend)
+    engine.register_tenant(0, token_quota=2**31 - 1, byte_quota=engine.max_byte_quota)
+    return engine.generate(prompts, max_new_tokens, tenants=[0] * len(prompts),
+                           sampling=sampling, stop_ids=stop_ids)
