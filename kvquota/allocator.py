@@ -187,16 +187,15 @@ class Allocator:
         """
         self._check_state(state)
         t = self._tenant(state, tenant, registered=False)
-        if bool(state.registered[t]):
-            raise TenantExistsError(f"tenant {t} is already registered")
         tq = self._nonneg("token_quota", token_quota)
         units = self._quota_units(byte_quota)
         lease = self._nonneg("lease_expiry", lease_expiry)
         if share_group is None:
             salt = private_salt(t)
         else:
-            g = self._nonneg("share_group", share_group, 2**31 - 1)
-            salt = group_salt(g)
+            salt = group_salt(self._nonneg("share_group", share_group, 2**31 - 1))
+        if bool(state.registered[t]):
+            raise TenantExistsError(f"tenant {t} is already registered")
         fn = _ops.set_tenant_donated_jit if donate else _ops.set_tenant_jit
         return fn(self.config, state, t, tq, units, lease, np.uint32(salt))
 

@@ -1,0 +1,146 @@
+"""Catalog of bad inputs: each raises its typed error and leaves every leaf of the state equal.
+
+Where an operation has a donating variant, the bad input is also sent to it: validation runs
+before the donating call, so the state must still be intact (not deleted) afterwards.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from kvquota import errors as E
+from kvquota.allocator import Allocator
+from kvquota.sentinel import INVALID
+from kvquota.state import INT32_MAX
+from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts, snapshot
+
+
+@pytest.fixture
+def setup():
+    """t0, t1 registered; seq 0 (t0, 5 tokens, blocks 0-2), seq 1 (t1, 8 tokens = full table);
+    seq 2 admitted then freed; block 0 pinned."""
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5]), (1, [9] * 8)]))
+    s, _ = alloc.admit(s, *prompts([(0, [7])]))
+    s, _ = alloc.free(s, [2])
+    s, _ = alloc.pin_blocks(s, [0])
+    alloc.check(s)
+    return alloc, s
+
+
+def _ok_prompt():
+    return prompts([(0, [1, 2])])
+
+
+CASES = [
+    # (name, error type, call(alloc, state, donate))
+    ("register tenant out of range", E.UnknownTenantError,
+     lambda a, s, d: a.register_tenant(s, 5, token_quota=1, byte_quota=1, donate=d)),
+    ("register negative tenant", E.UnknownTenantError,
+     lambda a, s, d: a.register_tenant(s, -1, token_quota=1, byte_quota=1, donate=d)),
+    ("register twice", E.TenantExistsError,
+     lambda a, s, d: a.register_tenant(s, 0, token_quota=1, byte_quota=1, donate=d)),
+    ("negative token quota", E.QuotaValueError,
+     lambda a, s, d: a.set_quota(s, 0, token_quota=-1, donate=d)),
+    ("negative byte quota", E.QuotaValueError,
+     lambda a, s, d: a.set_quota(s, 0, byte_quota=-BLOCK, donate=d)),
+    ("float quota", E.QuotaValueError,
+     lambda a, s, d: a.set_quota(s, 0, token_quota=1.5, donate=d)),
+    ("byte quota beyond int32 units", E.QuotaValueError,
+     lambda a, s, d: a.set_quota(s, 0, byte_quota=(INT32_MAX + 1) * TINY.unit_bytes, donate=d)),
+    ("token quota beyond int32", E.QuotaValueError,
+     lambda a, s, d: a.set_quota(s, 0, token_quota=2**31, donate=d)),
+    ("negative lease", E.QuotaValueError, lambda a, s, d: a.set_lease(s, 0, -3, donate=d)),
+    ("negative share group", E.QuotaValueError,
+     lambda a, s, d: a.register_tenant(s, 1, token_quota=1, byte_quota=1, share_group=-2, donate=d)),
+    ("set quota of unknown tenant", E.UnknownTenantError,
+     lambda a, s, d: a.set_quota(s, 7, token_quota=1, donate=d)),
+    ("admit for unknown tenant", E.UnknownTenantError,
+     lambda a, s, d: a.admit(s, [0, 3], *_ok_prompt()[1:], donate=d)),
+    ("admit float tokens", E.InputDtypeError,
+     lambda a, s, d: a.admit(s, _ok_prompt()[0], _ok_prompt()[1].astype(np.float32),
+                             _ok_prompt()[2], donate=d)),
+    ("admit bool tenants", E.InputDtypeError,
+     lambda a, s, d: a.admit(s, np.array([True, False]), *_ok_prompt()[1:], donate=d)),
+    ("admit list of floats", E.InputDtypeError,
+     lambda a, s, d: a.admit(s, [0.0, 1.0], *_ok_prompt()[1:], donate=d)),
+    ("admit 1-D tokens", E.InputShapeError,
+     lambda a, s, d: a.admit(s, [0, INVALID], np.zeros(8, np.int32), [1, 0], donate=d)),
+    ("admit mismatched batch", E.InputShapeError,
+     lambda a, s, d: a.admit(s, [0], np.zeros((2, 8), np.int32), [1, 1], donate=d)),
+    ("admit empty prompt", E.TokenIdError,
+     lambda a, s, d: a.admit(s, [0, INVALID], np.zeros((2, 8), np.int32), [0, 0], donate=d)),
+    ("admit length past tokens", E.TokenIdError,
+     lambda a, s, d: a.admit(s, [0, INVALID], np.zeros((2, 4), np.int32), [5, 0], donate=d)),
+    ("admit token id past vocab", E.TokenIdError,
+     lambda a, s, d: a.admit(s, *prompts([(0, [1, 256])]), donate=d)),
+    ("admit negative token in prompt", E.TokenIdError,
+     lambda a, s, d: a.admit(s, *prompts([(0, [1, -1])]), donate=d)),
+    ("admit sequence longer than the table", E.SequenceTooLongError,
+     lambda a, s, d: a.admit(s, [0, INVALID], np.ones((2, 9), np.int32), [9, 0], donate=d)),
+    ("append to a freed sequence", E.UnknownSequenceError,
+     lambda a, s, d: a.append(s, [2, INVALID], [1, 0], donate=d)),
+    ("append to an out-of-range sequence", E.UnknownSequenceError,
+     lambda a, s, d: a.append(s, [4, INVALID], [1, 0], donate=d)),
+    ("append twice to one sequence", E.DuplicateIdError,
+     lambda a, s, d: a.append(s, [0, 0], [1, 1], donate=d)),
+    ("append shape mismatch", E.InputShapeError,
+     lambda a, s, d: a.append(s, [0, INVALID], [1], donate=d)),
+    ("append past the block table", E.SequenceTooLongError,
+     lambda a, s, d: a.append(s, [1, INVALID], [1, 0], donate=d)),
+    ("append token id past vocab", E.TokenIdError,
+     lambda a, s, d: a.append(s, [0, INVALID], [300, 0], donate=d)),
+    ("double free", E.DoubleFreeError, lambda a, s, d: a.free(s, [2], donate=d)),
+    ("free the same sequence twice in one call", E.DoubleFreeError,
+     lambda a, s, d: a.free(s, [0, 0], donate=d)),
+    ("fork a freed sequence", E.UnknownSequenceError, lambda a, s, d: a.fork(s, [2], donate=d)),
+    ("pin a free block", E.BlockStateError, lambda a, s, d: a.pin_blocks(s, [7], donate=d)),
+    ("pin an out-of-range block", E.BlockStateError,
+     lambda a, s, d: a.pin_blocks(s, [TINY.total_blocks], donate=d)),
+    ("pin the same block twice in one call", E.DuplicateIdError,
+     lambda a, s, d: a.pin_blocks(s, [1, 1], donate=d)),
+    ("unpin a block that is not pinned", E.BlockStateError,
+     lambda a, s, d: a.unpin_blocks(s, [1], donate=d)),
+    ("pin more prefix blocks than the sequence has", E.BlockStateError,
+     lambda a, s, d: a.pin_prefix(s, 0, 4, donate=d)),
+    ("pin prefix of a freed sequence", E.UnknownSequenceError,
+     lambda a, s, d: a.pin_prefix(s, 2, 1, donate=d)),
+    ("release an unknown tenant", E.UnknownTenantError,
+     lambda a, s, d: a.release_tenant(s, 9, donate=d)),
+    ("release with a non-bool unpin", E.InputDtypeError,
+     lambda a, s, d: a.release_tenant(s, 0, unpin="yes", donate=d)),
+    ("state of another config", E.StateMismatchError,
+     lambda a, s, d: Allocator(dataclasses.replace(TINY, num_blocks=16)).free(s, [0], donate=d)),
+    ("not a state", E.StateMismatchError, lambda a, s, d: a.free({"block_tables": 1}, [0], donate=d)),
+]
+
+
+def test_catalog_is_large_enough():
+    assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["plain", "donated"])
+@pytest.mark.parametrize("name,error,call", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_and_leaves_state_unchanged(setup, name, error, call, donate):
+    alloc, s = setup
+    before = snapshot(s)
+    with pytest.raises(error) as info:
+        call(alloc, s, donate)
+    assert isinstance(info.value, E.KVQuotaError)
+    for leaf in jax.tree_util.tree_leaves(s):
+        assert not leaf.is_deleted()
+    assert leaves_equal(before, s)
+    alloc.check(s)
+
+
+def test_donated_state_cannot_be_reused():
+    alloc, s = fresh()
+    s2, _ = alloc.admit_donated(jax.tree_util.tree_map(lambda x: x.copy(), s), *_ok_prompt())
+    consumed = jax.tree_util.tree_map(lambda x: x.copy(), s2)
+    alloc.append_donated(consumed, [0, INVALID], [5, 0])
+    if not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(consumed)):
+        pytest.skip("this backend ignored donation")
+    with pytest.raises(E.StateMismatchError):
+        alloc.append(consumed, [0, INVALID], [5, 0])
