@@ -1,0 +1,119 @@
+"""Quantized pages: real storage sizes, bit layout, exact and bounded round trips."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.quantization import (
+    QuantizedPages,
+    dequantize_pages,
+    empty_quantized_pages,
+    quantize_kv,
+    quantize_pages,
+    unpack_codes,
+)
+from kvquota.formats import get_kv_format
+
+FORMATS = ["int8", "int4", "kivi2", "kivi4"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", FORMATS)
+def test_nbytes_match_format_page_sizes(name, head_dim):
+    fmt = get_kv_format(name)
+    heads, blocks, page = 2, 3, 16
+    x = jax.random.normal(jax.random.PRNGKey(0), (heads, blocks, page, head_dim))
+    k, v = quantize_kv(x, x, name)
+    assert k.nbytes == heads * blocks * fmt.key_page_bytes(page, head_dim)
+    assert v.nbytes == heads * blocks * fmt.value_page_bytes(page, head_dim)
+    assert k.shape == v.shape == (heads, blocks, page, head_dim)
+    # the state can allocate the same layout empty
+    e = empty_quantized_pages(name, "key", heads, blocks, page, head_dim)
+    assert e.nbytes == k.nbytes and e.data.dtype == k.data.dtype
+
+
+@pytest.mark.parametrize("name,fraction", [("int8", 0.516), ("int4", 0.266), ("kivi2", 0.219),
+                                           ("kivi4", 0.344)])
+def test_fraction_of_bf16_at_head_dim_64_block_16(name, fraction):
+    """The issue's figures: a quantized block (scales, zero points included) vs bf16."""
+    x = jnp.ones((1, 1, 16, 64))
+    k, v = quantize_kv(x, x, name)
+    assert round((k.nbytes + v.nbytes) / (2 * 16 * 64 * 2), 3) == fraction
+
+
+def test_unpack_low_bits_first():
+    """Byte 0x21 holds channels (1, 2) at 4 bits; 0b11_10_01_00 holds (0, 1, 2, 3) at 2 bits."""
+    np.testing.assert_array_equal(unpack_codes(jnp.array([0x21], jnp.uint8), 4), [1, 2])
+    np.testing.assert_array_equal(unpack_codes(jnp.array([0b11100100], jnp.uint8), 2),
+                                  [0, 1, 2, 3])
+
+
+def _grid_values(name, role, shape, seed):
+    """Values on the quantization grid of `name`, with each group's extreme codes present.
+
+    Scales are powers of two and zero points small integers, so quantizing must return exactly
+    these values: a check of packing, code offsets and scale/zero placement all at once.
+    """
+    fmt = get_kv_format(name)
+    spec = fmt.key if role == "key" else fmt.value
+    rng = np.random.default_rng(seed)
+    h, n, p, d = shape
+    if spec.asymmetric:
+        lo_code, hi_code = 0, (1 << spec.bits) - 1
+    else:
+        hi_code = (1 << (spec.bits - 1)) - 1
+        lo_code = -hi_code
+    codes = rng.integers(lo_code, hi_code + 1, shape)
+    if spec.scale_axis == "channel":  # extremes in every channel over the page's tokens
+        codes[:, :, 0, :], codes[:, :, 1, :] = lo_code, hi_code
+        scale = 2.0 ** rng.integers(-4, 1, (h, n, 1, d))
+        zero = rng.integers(-3, 1, (h, n, 1, d)).astype(float)
+    else:  # extremes in every token's channel group
+        group = spec.group_size(d)
+        codes[..., ::group], codes[..., 1::group] = lo_code, hi_code
+        scale = np.repeat(2.0 ** rng.integers(-4, 1, (h, n, p, d // group)), group, -1)
+        zero = np.repeat(rng.integers(-3, 1, (h, n, p, d // group)), group, -1).astype(float)
+    x = codes * scale + (zero if spec.asymmetric else 0.0)
+    return jnp.asarray(x, jnp.float32)
+
+
+@pytest.mark.parametrize("role", ["key", "value"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_grid_values_round_trip_exactly(name, role):
+    x = _grid_values(name, role, (2, 3, 16, 64), seed=7)
+    q = quantize_pages(x, name, role)
+    np.testing.assert_array_equal(np.asarray(dequantize_pages(q)), np.asarray(x))
+
+
+@pytest.mark.parametrize("role", ["key", "value"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_round_trip_error_within_half_a_step(name, role):
+    """|x - dq(q(x))| <= scale/2 plus the bf16 rounding of the stored scale and zero point."""
+    x = 3.0 * jax.random.normal(jax.random.PRNGKey(1), (2, 4, 16, 128))
+    q = quantize_pages(x, name, role)
+    spec = q.spec
+    err = np.abs(np.asarray(dequantize_pages(q)) - np.asarray(x))
+    scale = np.asarray(q.scales, np.float32)
+    zero = np.zeros_like(scale) if q.zeros is None else np.abs(np.asarray(q.zeros, np.float32))
+    if spec.scale_axis == "token":
+        group = spec.group_size(128)
+        scale, zero = np.repeat(scale, group, -1), np.repeat(zero, group, -1)
+    levels = (1 << spec.bits) - 1 if spec.asymmetric else (1 << (spec.bits - 1)) - 1
+    bf16_eps = 2.0**-8  # relative rounding of a bf16 scale or zero point
+    bound = scale * (0.5 + levels * bf16_eps) + zero * bf16_eps + 1e-6
+    assert np.all(err <= bound), float((err - bound).max())
+
+
+def test_quantized_pages_is_a_pytree_with_static_format():
+    x = jnp.ones((2, 3, 16, 64))
+    q = quantize_pages(x, "kivi2", "key")
+    leaves, treedef = jax.tree_util.tree_flatten(q)
+    assert len(leaves) == 3  # data, scales, zeros; the format rides in the treedef
+    layer = jax.tree_util.tree_map(lambda a: a[1], jax.tree_util.tree_unflatten(treedef, leaves))
+    assert isinstance(layer, QuantizedPages) and layer.kv_format.name == "kivi2"
+
+
+def test_quantize_rejects_unquantized_format():
+    with pytest.raises(ValueError, match="bf16"):
+        quantize_pages(jnp.ones((1, 1, 16, 64)), "bf16", "key")
