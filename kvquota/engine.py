@@ -173,9 +173,13 @@ class ScoreResult:
         return float(np.exp(np.mean(self.nll)))
 
 
-def _bucket(n: int, cap: int) -> int:
-    """Chunk length for n remaining tokens: a power of two, at most `cap` (few compiles)."""
-    return min(cap, 1 << max(0, n - 1).bit_length())
+def _bucket(n: int, cap: int, floor: int = 16) -> int:
+    """Chunk length for n remaining tokens: a power of two >= floor, at most `cap`.
+
+    Every distinct chunk shape is one more compile of the whole model; padding a short tail to
+    16 tokens costs less than that on any model here.
+    """
+    return min(cap, max(floor, 1 << max(0, n - 1).bit_length()))
 
 
 def _check_context(config: ModelConfig, total: int, what: str):
@@ -342,7 +346,9 @@ class PagedEngine(_Engine):
         if len(tenants) != b:
             raise ValueError(f"{len(tenants)} tenants for {b} prompts")
         lens = np.array([len(p) for p in prompts], np.int32)
-        width = int(lens.max())
+        # Pad the prompt width to a power of two (within the table): admit compiles per shape.
+        width = min(_bucket(int(lens.max()), 1 << 30), self.state_config.max_tokens_per_seq)
+        width = max(width, int(lens.max()))
         toks = np.zeros((b, width), np.int32)
         for i, p in enumerate(prompts):
             toks[i, : len(p)] = p
