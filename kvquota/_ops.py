@@ -262,7 +262,8 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         block_salt=s.block_salt.at[new_ids].set(
             jnp.broadcast_to(salts[:, None], (b, mb)), mode="drop"),
         parent=s.parent.at[new_ids].set(prev, mode="drop"),
-        parent_gen=s.parent_gen.at[new_ids].set(s.generation[_clip(prev)], mode="drop"),
+        parent_gen=s.parent_gen.at[new_ids].set(
+            jnp.where(prev >= 0, s.generation[_clip(prev)], 0), mode="drop"),
         free_count=s.free_count.at[0].add(-n_new_total),
         block_tables=s.block_tables.at[_oob(slot, ok, config.max_seqs)].set(rows, mode="drop"),
         seq_lens=s.seq_lens.at[_oob(slot, ok, config.max_seqs)].set(lengths, mode="drop"),
@@ -330,7 +331,8 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
         payer_refs=s.payer_refs.at[ai].set(1, mode="drop"),
         block_salt=s.block_salt.at[ai].set(salts, mode="drop"),
         parent=s.parent.at[ai].set(prev, mode="drop"),
-        parent_gen=s.parent_gen.at[ai].set(s.generation[_clip(prev)], mode="drop"),
+        parent_gen=s.parent_gen.at[ai].set(
+            jnp.where(prev >= 0, s.generation[_clip(prev)], 0), mode="drop"),
         free_count=s.free_count.at[0].add(-n_alloc),
         block_tables=s.block_tables.at[_oob(sc, alloc, ns), kc].set(newb, mode="drop"),
         seq_lens=s.seq_lens.at[rows].add(1, mode="drop"),

@@ -370,6 +370,8 @@ class Allocator:
 
     def _prefix(self, state, seq_id, num_blocks):
         sid = _int_scalar("seq_id", seq_id, UnknownSequenceError)
+        if not 0 <= sid < self.config.max_seqs:
+            raise UnknownSequenceError(f"sequence id {sid} outside [0, {self.config.max_seqs})")
         self._running(state, np.array([sid], np.int32), "prefix")
         n = _int_scalar("num_blocks", num_blocks, BlockStateError)
         have = -(-int(state.seq_lens[sid]) // self.config.block_size)
