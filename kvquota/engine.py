@@ -301,7 +301,7 @@ class PagedEngine(_Engine):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.config = config
-        self.params = params
+        self.params = jax.device_put(params)  # once: numpy leaves would be copied every call
         self.allocator = Allocator(state_config)
         self.state = self.allocator.init() if state is None else state
         self.chunk_size = chunk_size
@@ -330,25 +330,45 @@ class PagedEngine(_Engine):
     # ---- the serving steps ---------------------------------------------------------------
     def admit(self, tenants: Sequence[int], prompts: Sequence[Sequence[int]], *,
               last_only: bool = True):
-        """Admits prompts and prefills their uncached tokens in chunks.
+        """Admits prompts and prefills their uncached tokens in chunks (`reserve` + `prefill`).
 
-        Returns (AdmitReport with host arrays, per-chunk logits): with `last_only`, one
-        f32[B, V] array of each row's last prompt token's logits; otherwise the list of
-        f32[B, T_c, V] logits of every chunk (positions cached_tokens onwards).
+        Returns (AdmitReport with host arrays, logits): with `last_only`, f32[B, V], each row's
+        last prompt token's logits; otherwise the list of each chunk's f32[B, T_c, V] logits
+        (positions cached_tokens onwards).
         """
+        report = self.reserve(tenants, prompts)
+        return report, self.prefill(report, prompts, last_only=last_only)
+
+    def reserve(self, tenants: Sequence[int], prompts: Sequence[Sequence[int]]):
+        """The allocator's admit alone (donated): slots reserved, prefix hits taken. The caller
+        must `prefill` before any other admit (the hit blocks' K/V is the prefill's to write)."""
         b = len(prompts)
         if len(tenants) != b:
             raise ValueError(f"{len(tenants)} tenants for {b} prompts")
-        lens = np.array([len(p) for p in prompts], np.int32)
-        # Pad the prompt width to a power of two (within the table): admit compiles per shape.
-        width = min(_bucket(int(lens.max()), 1 << 30), self.state_config.max_tokens_per_seq)
-        width = max(width, int(lens.max()))
-        toks = np.zeros((b, width), np.int32)
-        for i, p in enumerate(prompts):
-            toks[i, : len(p)] = p
+        toks, lens = self._pad_prompts(prompts)
         self.state, report = self.allocator.admit_donated(
             self.state, np.asarray(tenants, np.int32), toks, lens)
-        report = jax.tree_util.tree_map(np.asarray, report)
+        return jax.tree_util.tree_map(np.asarray, report)
+
+    def _pad_prompts(self, prompts):
+        """Prompts as i32[B, W] (zero padded) and lengths i32[B]; W a power of two within the
+        table, since the allocator's admit compiles once per shape."""
+        lens = np.array([len(p) for p in prompts], np.int32)
+        width = min(_bucket(int(lens.max()), 1 << 30), self.state_config.max_tokens_per_seq)
+        width = max(width, int(lens.max()))
+        toks = np.zeros((len(prompts), width), np.int32)
+        for i, p in enumerate(prompts):
+            toks[i, : len(p)] = p
+        return toks, lens
+
+    def prefill(self, report, prompts, *, last_only: bool = True, max_chunks: int | None = None):
+        """Writes the K/V of prompt tokens [cached_tokens, length) of admitted rows, in chunks.
+
+        `max_chunks` stops early (benchmarks use one chunk to compile). Returns logits as
+        `admit` does.
+        """
+        toks, lens = self._pad_prompts(prompts)
+        b, width = toks.shape
         seq_ids = np.where(report.admitted, report.seq_id, INVALID).astype(np.int32)
         cached = np.where(report.admitted, report.cached_tokens, 0).astype(np.int32)
         # Logical position of cache index 0 (positions = RoPE position of the next token).
@@ -356,7 +376,7 @@ class PagedEngine(_Engine):
         last = np.zeros((b, self.config.vocab_size), np.float32)
         chunks = []
         done = np.where(report.admitted, cached, lens)
-        while (done < lens).any():
+        while (done < lens).any() and (max_chunks is None or len(chunks) < max_chunks):
             t = _bucket(int((lens - done).max()), self.chunk_size)
             num_new = np.clip(lens - done, 0, t).astype(np.int32)
             idx = done[:, None] + np.arange(t)[None, :]
@@ -369,10 +389,9 @@ class PagedEngine(_Engine):
             if last_only:
                 finishing = (num_new > 0) & (done + num_new == lens)
                 last[finishing] = np.asarray(logits)[finishing]
-            else:
-                chunks.append(logits)
+            chunks.append(logits)
             done = done + num_new
-        return report, (last if last_only else chunks)
+        return last if last_only else chunks
 
     def decode(self, seq_ids, tokens):
         """One decode step: append `tokens` i32[B] to `seq_ids` i32[B] (INVALID = padding) and
@@ -444,7 +463,7 @@ class DenseEngine(_Engine):
                  cache_dtype=jnp.float32):
         _check_context(config, capacity, "dense cache capacity")
         self.config = config
-        self.params = params
+        self.params = jax.device_put(params)
         self.capacity = capacity
         self.chunk_size = chunk_size
         self.cache_dtype = cache_dtype
@@ -452,9 +471,9 @@ class DenseEngine(_Engine):
         self.cache: DenseKV | None = None
         self._lens = np.zeros(0, np.int32)
 
-    def prefill(self, prompts, *, last_only: bool = True):
-        """Fresh cache with one row per prompt; chunked prefill. Returns logits as in
-        `PagedEngine.admit`."""
+    def prefill(self, prompts, *, last_only: bool = True, max_chunks: int | None = None):
+        """Fresh cache with one row per prompt; chunked prefill (stopping after `max_chunks`
+        if given). Returns logits as in `PagedEngine.admit`."""
         b = len(prompts)
         lens = np.array([len(p) for p in prompts], np.int32)
         if lens.max() > self.capacity:
@@ -467,7 +486,7 @@ class DenseEngine(_Engine):
         done = np.zeros(b, np.int32)
         last = np.zeros((b, self.config.vocab_size), np.float32)
         chunks = []
-        while (done < lens).any():
+        while (done < lens).any() and (max_chunks is None or len(chunks) < max_chunks):
             t = _bucket(int((lens - done).max()), self.chunk_size)
             num_new = np.clip(lens - done, 0, t).astype(np.int32)
             idx = done[:, None] + np.arange(t)[None, :]
@@ -479,10 +498,9 @@ class DenseEngine(_Engine):
             if last_only:
                 finishing = (num_new > 0) & (done + num_new == lens)
                 last[finishing] = np.asarray(logits)[finishing]
-            else:
-                chunks.append(logits)
+            chunks.append(logits)
             done = done + num_new
-        self._lens = lens.copy()
+        self._lens = done.copy()
         return last if last_only else chunks
 
     def decode(self, rows, tokens):

@@ -1,0 +1,177 @@
+r"""SmolLM2-135M prefill and decode throughput, paged KV cache vs a dense contiguous cache.
+
+  python -m experiments.bench_model --json
+
+For each batch size (1, 8) and context (512, 2048), both caches get the same prompts (pydoc text,
+one offset per row) and the same chunk size:
+  * prefill: wall time of the whole chunked prefill (the paged one includes the allocator's admit),
+    after a warm-up on the same shapes so no compile is timed -> tokens/s;
+  * decode: mean wall time of a full step at that context (paged: the allocator's donated append
+    with its validation, then the model; dense: the model) over --decode_steps steps after a
+    warm-up step -> tokens/s = batch / step time.
+`ratio` = paged time / dense time (goal for decode: <= 1.25). Written to --out (default
+results/bench_model.json) with the command, versions and device. Not a test: numbers depend on the
+machine and its load.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import flax
+import jax
+import numpy as np
+from absl import app, flags
+
+from kvquota import engine as E
+from kvquota import tokenizer, weights
+from kvquota.state import StateConfig
+
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
+_CONTEXTS = flags.DEFINE_list("contexts", ["512", "2048"], "Context lengths (prompt tokens).")
+_STEPS = flags.DEFINE_integer("decode_steps", 8, "Timed decode steps per point.")
+_CHUNK = flags.DEFINE_integer("chunk_size", 512, "Prefill chunk length.")
+_BLOCK = flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
+_KV_FORMAT = flags.DEFINE_string("kv_format", "f32", "KV format of both caches (f32 or bf16).")
+_OUT = flags.DEFINE_string("out", "results/bench_model.json", "Where to write the results.")
+_JSON = flags.DEFINE_boolean("json", False, "Print the results as one JSON object.")
+
+
+def _prompts(tok, batch: int, context: int) -> list[list[int]]:
+    """`batch` prompts of `context` tokens of real text, each from its own offset."""
+    from pydoc_data.topics import topics
+
+    ids = tok.encode("\n".join(topics[k] for k in sorted(topics)))
+    stride = (len(ids) - context) // max(batch, 1)
+    return [ids[i * stride: i * stride + context] for i in range(batch)]
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
+                kv_format: str) -> dict:
+    """One (batch, context) point: prefill and decode, dense then paged."""
+    import jax.numpy as jnp
+
+    b, ctx = len(prompts), len(prompts[0])
+    capacity = ctx + steps + 2
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[kv_format]
+
+    # Dense: warm up (one chunk, one step) on the same shapes, then time.
+    warm = E.DenseEngine(config, params, capacity=capacity, chunk_size=chunk, cache_dtype=dtype)
+    warm.prefill(prompts, max_chunks=1)
+    warm.decode(np.arange(b), np.zeros(b, np.int32))
+    del warm
+    dense = E.DenseEngine(config, params, capacity=capacity, chunk_size=chunk, cache_dtype=dtype)
+    last, dense_prefill = _timed(lambda: dense.prefill(prompts))
+    tokens = last.argmax(-1).astype(np.int32)
+    dense.decode(np.arange(b), tokens)  # first step at this context (already compiled)
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens = np.asarray(dense.decode(np.arange(b), tokens)).argmax(-1).astype(np.int32)
+    dense_step = (time.perf_counter() - start) / steps
+    del dense
+
+    # Paged: a state just large enough, one tenant; same warm-up.
+    per_seq = math.ceil(capacity / block)
+    sc = StateConfig(model=config, num_blocks=b * per_seq, block_size=block, max_seqs=b,
+                     max_blocks_per_seq=per_seq, num_tenants=1, kv_format=kv_format)
+
+    def new_engine():
+        eng = E.PagedEngine(config, params, sc, chunk_size=chunk)
+        eng.register_tenant(0, token_quota=2**31 - 1, byte_quota=eng.max_byte_quota)
+        return eng
+
+    warm = new_engine()
+    report = warm.reserve([0] * b, prompts)
+    warm.prefill(report, prompts, max_chunks=1)
+    warm.decode(report.seq_id.astype(np.int32), np.zeros(b, np.int32))
+    del warm
+    paged = new_engine()
+    (report, last), paged_prefill = _timed(lambda: paged.admit([0] * b, prompts))
+    seq_ids = report.seq_id.astype(np.int32)
+    tokens = last.argmax(-1).astype(np.int32)
+    paged.decode(seq_ids, tokens)
+    start = time.perf_counter()
+    for _ in range(steps):
+        _, logits = paged.decode(seq_ids, tokens)
+        tokens = np.asarray(logits).argmax(-1).astype(np.int32)
+    paged_step = (time.perf_counter() - start) / steps
+    del paged
+
+    return {
+        "batch": b,
+        "context": ctx,
+        "prefill_tokens_per_s": {"dense": b * ctx / dense_prefill,
+                                 "paged": b * ctx / paged_prefill},
+        "prefill_seconds": {"dense": dense_prefill, "paged": paged_prefill,
+                            "ratio": paged_prefill / dense_prefill},
+        "decode_tokens_per_s": {"dense": b / dense_step, "paged": b / paged_step},
+        "decode_step_ms": {"dense": 1e3 * dense_step, "paged": 1e3 * paged_step,
+                           "ratio": paged_step / dense_step},
+    }
+
+
+def run(batches, contexts, *, steps=8, chunk=512, block=16, kv_format="f32", log=print) -> dict:
+    """All points; returns the results record."""
+    config, params = weights.load_smollm2()
+    tok = tokenizer.from_gguf(weights.smollm2_gguf_path())
+    points = []
+    for ctx in contexts:
+        for b in batches:
+            point = bench_point(config, params, _prompts(tok, b, ctx), steps=steps,
+                                chunk=chunk, block=block, kv_format=kv_format)
+            log(f"batch {b:2d} context {ctx:5d}: prefill tok/s dense "
+                f"{point['prefill_tokens_per_s']['dense']:8.1f} paged "
+                f"{point['prefill_tokens_per_s']['paged']:8.1f} (x{point['prefill_seconds']['ratio']:.2f}"
+                f" time) | decode step ms dense {point['decode_step_ms']['dense']:7.1f} paged "
+                f"{point['decode_step_ms']['paged']:7.1f} (x{point['decode_step_ms']['ratio']:.2f})")
+            points.append(point)
+    device = jax.devices()[0]
+    return {
+        "command": "python -m experiments.bench_model " + " ".join(sys.argv[1:]),
+        "model": config.name,
+        "kv_format": kv_format,
+        "block_size": block,
+        "chunk_size": chunk,
+        "decode_steps": steps,
+        "attention_backend": "auto -> " + ("pallas" if device.platform == "gpu" else "reference"),
+        "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                     "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+                     "flax": flax.__version__, "numpy": np.__version__},
+        "device": {"platform": device.platform, "kind": device.device_kind,
+                   "cpu_count": os.cpu_count(), "machine": platform.machine()},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "seed": None,  # deterministic: real text, greedy decode
+        "points": points,
+    }
+
+
+def main(argv):
+    del argv
+    log = (lambda *a: print(*a, file=sys.stderr)) if _JSON.value else print
+    record = run([int(b) for b in _BATCHES.value], [int(c) for c in _CONTEXTS.value],
+                 steps=_STEPS.value, chunk=_CHUNK.value, block=_BLOCK.value,
+                 kv_format=_KV_FORMAT.value, log=log)
+    if _OUT.value:
+        os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+        with open(_OUT.value, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    if _JSON.value:
+        json.dump(record, sys.stdout)
+        sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
