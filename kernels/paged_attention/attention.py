@@ -25,8 +25,9 @@ def interpret_mode() -> bool:
     return jax.default_backend() != "gpu"
 
 
-_decode_reference = jax.jit(reference.decode_reference, static_argnames=("sm_scale", "mass"))
-_prefill_reference = jax.jit(reference.prefill_reference, static_argnames=("sm_scale", "mass"))
+_STATIC = ("sm_scale", "mass", "chunk_pages")
+_decode_reference = jax.jit(reference.decode_reference, static_argnames=_STATIC)
+_prefill_reference = jax.jit(reference.prefill_reference, static_argnames=_STATIC)
 
 
 def decode(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, return_lse=False,

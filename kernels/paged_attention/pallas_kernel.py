@@ -80,7 +80,7 @@ def _load_tile(refs, spec, idx, page_ok, dtype):
             for k in (1, 2)
         ]
         mask = jnp.broadcast_to(page_ok.reshape(-1, 1, 1), shape)
-        return plgpu.load(ref.at[tuple(axes)], mask=mask, other=0)
+        return plgpu.load(ref.at[tuple(axes)], mask=mask, other=jnp.zeros((), ref.dtype))
 
     if spec is None:
         return load(refs[0]).astype(dtype)
@@ -92,6 +92,12 @@ def _load_tile(refs, spec, idx, page_ok, dtype):
 
 # ---------------------------------------------------------------------------------------------
 # The attention kernel.
+
+
+def _dot(a, b, b_contract: int):
+    """2-D dot with f32 accumulation; HIGHEST keeps f32 inputs out of TF32 on GPU."""
+    return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _row_positions(row0, block_r, group, num_t, q_start, length):
@@ -148,7 +154,7 @@ def _attention_kernel(
         page_ok = page0 + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0) < last
         idx = jnp.where(page_ok, block_tables_ref[pl.ds(page0, pages_per_block)], 0)
         k = _load_tile(k_refs, k_spec, idx, page_ok, q.dtype).reshape(block_k, head_dim)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = _dot(q, k, 1)
         s = s * sm_scale
         key_pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         s = jnp.where(key_pos[None, :] <= pos[:, None], s, NEG_INF)  # pos = -1: row sees nothing
@@ -159,9 +165,7 @@ def _attention_kernel(
         v = _load_tile(v_refs, v_spec, idx, page_ok, q.dtype).reshape(block_k, head_dim)
         # Zero V past the length before the product: tail slots may hold NaN and 0 * NaN = NaN.
         v = jnp.where((key_pos < length)[:, None], v, jnp.zeros_like(v))
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        pv = _dot(p.astype(v.dtype), v, 0)
         return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)
 
     init = (
@@ -207,7 +211,7 @@ def _mass_kernel(
         q = q_ref[pl.ds(row0, block_r), :]
         lse = lse_ref[pl.ds(row0, block_r)]
         pos = _row_positions(row0, block_r, group, num_t, q_start, length)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = _dot(q, k, 1)
         s = s * sm_scale
         lse_safe = jnp.where(lse > NEG_INF, lse, 0.0)
         visible = key_pos[None, :] <= pos[:, None]

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kernels.quantization import QuantizedPages, dequantize_tile
 
@@ -56,6 +57,49 @@ def gather_pages(pages, block_tables: jax.Array, dtype) -> jax.Array:
     return x.reshape(h, b, m * p, d)
 
 
+_HIGHEST = lax.Precision.HIGHEST  # f32 stays f32 on GPU too (no TF32); free on CPU
+
+
+def _chunk_logits(q_rows, k_pages, block_tables, row_pos, lengths, first_pos, sm_scale):
+    """Scaled, masked logits of rows against one chunk of table columns.
+
+    -> (logits f32[Hkv, B, R, C], in_len bool[B, C]) for the C = columns * P key slots starting at
+    cache position `first_pos`; invisible slots hold -inf.
+    """
+    k_dtype = jnp.promote_types(q_rows.dtype, k_pages.dtype) if _plain(k_pages) else jnp.float32
+    k = gather_pages(k_pages, block_tables, k_dtype)
+    key_pos = first_pos + jnp.arange(k.shape[2], dtype=jnp.int32)
+    in_len = key_pos[None, :] < lengths[:, None]  # [B, C]
+    logits = jnp.einsum("hbrd,hbsd->hbrs", q_rows.astype(k.dtype), k, precision=_HIGHEST,
+                        preferred_element_type=jnp.float32) * jnp.float32(sm_scale)
+    visible = in_len[:, None, :] & (key_pos[None, None, :] <= row_pos[:, :, None])  # [B, R, C]
+    return jnp.where(visible[None], logits, -jnp.inf), in_len
+
+
+def _chunk_values(v_pages, block_tables, in_len):
+    """V of one chunk [Hkv, B, C, D] f32, zero past the length (those slots may hold NaN:
+    0 * NaN would leak through the value product). The mask fuses into the gather."""
+    v = gather_pages(v_pages, block_tables, jnp.float32)
+    return jnp.where(in_len[None, :, :, None], v, 0.0)
+
+
+def _safe(m):
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def auto_chunk_pages(batch, kv_heads, rows, page_size, head_dim, max_blocks,
+                     target_bytes=1 << 19):
+    """Table columns per step: K + V + logits of a chunk near `target_bytes` (cache-sized).
+
+    Big fresh buffers are what makes a one-shot gather slow on CPU (a 50 MB gathered copy costs
+    more than the attention itself); a loop over cache-sized chunks reuses one small buffer.
+    """
+    per_column = batch * kv_heads * page_size * (2 * head_dim + rows) * 4
+    cols = max(1, target_bytes // per_column)
+    cols = 1 << (cols.bit_length() - 1)  # a power of two
+    return max_blocks if cols >= max_blocks else cols
+
+
 def paged_attention_rows(
     q_rows: jax.Array,  # [Hkv, B, R, D]
     row_pos: jax.Array,  # i32[B, R]: cache position of each row, -1 for padding rows
@@ -67,41 +111,64 @@ def paged_attention_rows(
     sm_scale: float,
     group: int,
     mass: str | None,
+    chunk_pages: int | None = None,
 ):
     """Attention of query rows over paged K/V -> (out [Hkv, B, R, D] f32, lse [Hkv, B, R], mass).
 
     `mass` (when asked) is f32[B, Hkv, M*P] per token slot: probabilities summed over rows and
     divided by `group` (the mean over a group's heads, summed over query positions).
-    """
-    compute = jnp.float32
-    k_dtype = jnp.promote_types(q_rows.dtype, k_pages.dtype) if _plain(k_pages) else compute
-    k = gather_pages(k_pages, block_tables, k_dtype)
-    s_len = k.shape[2]
-    key_pos = jnp.arange(s_len, dtype=jnp.int32)
-    in_len = key_pos[None, :] < lengths[:, None]  # [B, S]
-    # V slots past the length are zeroed inside the gather fusion (they may hold NaN).
-    v = gather_pages(v_pages, block_tables, compute)
-    v = jnp.where(in_len[None, :, :, None], v, 0.0)
 
-    logits = jnp.einsum(
-        "hbrd,hbsd->hbrs", q_rows.astype(k.dtype), k, preferred_element_type=compute
-    ) * jnp.float32(sm_scale)
-    visible = in_len[:, None, :] & (key_pos[None, None, :] <= row_pos[:, :, None])  # [B, R, S]
-    logits = jnp.where(visible[None], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1)  # [Hkv, B, R]
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(logits - m_safe[..., None])  # masked entries: exp(-inf) = 0
-    l = jnp.sum(p, axis=-1)
-    out = jnp.einsum("hbrs,hbsd->hbrd", p, v, preferred_element_type=compute)
+    The table is walked `chunk_pages` columns at a time with the online softmax of flash
+    attention (one pass when it fits one chunk); the loop stops after the last chunk any row can
+    see, so a wide table over short sequences costs what the sequences cost.
+    """
+    hkv, b, r, d = q_rows.shape
+    m_cols = block_tables.shape[1]
+    page = k_pages.shape[2]
+    if chunk_pages is None:
+        chunk_pages = auto_chunk_pages(b, hkv, r, page, d, m_cols)
+    c = min(chunk_pages, m_cols)
+    n_chunks = -(-m_cols // c)
+    tables = jnp.pad(block_tables, ((0, 0), (0, n_chunks * c - m_cols)))  # padding: past lengths
+
+    def columns(j):
+        return lax.dynamic_slice_in_dim(tables, j * c, c, axis=1)
+
+    def step(j, carry):
+        o, m, l = carry
+        logits, in_len = _chunk_logits(q_rows, k_pages, columns(j), row_pos, lengths,
+                                       j * c * page, sm_scale)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+        alpha = jnp.exp(m - _safe(m_new))  # m = -inf (nothing seen yet) -> 0
+        p = jnp.exp(logits - _safe(m_new)[..., None])  # invisible: exp(-inf) = 0
+        v = _chunk_values(v_pages, columns(j), in_len)
+        pv = jnp.einsum("hbrs,hbsd->hbrd", p, v, precision=_HIGHEST,
+                        preferred_element_type=jnp.float32)
+        return alpha[..., None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=-1)
+
+    init = (jnp.zeros((hkv, b, r, d), jnp.float32), jnp.full((hkv, b, r), -jnp.inf),
+            jnp.zeros((hkv, b, r), jnp.float32))
+    if n_chunks == 1:
+        o, m, l = step(0, init)
+    else:
+        seen = jnp.max(jnp.minimum(jnp.max(row_pos, axis=1) + 1, lengths))  # last visible + 1
+        o, m, l = lax.fori_loop(0, jnp.minimum(-(-seen // (c * page)), n_chunks), step, init)
     has = l > 0
     inv_l = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
-    out = out * inv_l[..., None]
-    lse = jnp.where(has, m_safe + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-    mass_out = None
-    if mass is not None:
-        per_token = jnp.einsum("hbrs,hbr->bhs", p, inv_l) / group
-        mass_out = per_token
-    return out, lse, mass_out
+    out = o * inv_l[..., None]
+    lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    if mass is None:
+        return out, lse, None
+
+    def mass_step(j):
+        logits, _ = _chunk_logits(q_rows, k_pages, columns(j), row_pos, lengths, j * c * page,
+                                  sm_scale)
+        p = jnp.exp(logits - _safe(lse)[..., None])  # exact probabilities; invisible -> 0
+        return jnp.sum(p, axis=2).transpose(1, 0, 2) / group  # [B, Hkv, C]
+
+    per_chunk = lax.map(mass_step, jnp.arange(n_chunks)) if n_chunks > 1 else mass_step(0)[None]
+    per_token = per_chunk.transpose(1, 2, 0, 3).reshape(b, hkv, n_chunks * c * page)
+    return out, lse, per_token[:, :, : m_cols * page]
 
 
 def _plain(pages) -> bool:
@@ -129,8 +196,12 @@ def decode_reference(
     *,
     sm_scale: float | None = None,
     mass: str | None = None,
+    chunk_pages: int | None = None,
 ) -> tuple[jax.Array, AttentionAux]:
-    """Decode attention, plain JAX: (out [B, Hq, D] in q.dtype, AttentionAux)."""
+    """Decode attention, plain JAX: (out [B, Hq, D] in q.dtype, AttentionAux).
+
+    `chunk_pages` (static): table columns per loop step; None picks a cache-sized chunk.
+    """
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
     g = hq // hkv
@@ -139,7 +210,7 @@ def decode_reference(
     row_pos = jnp.broadcast_to((lengths - 1)[:, None], (b, g)).astype(jnp.int32)
     out, lse, per_token = paged_attention_rows(
         q_rows, row_pos, k_pages, v_pages, block_tables, lengths,
-        sm_scale=scale, group=g, mass=mass,
+        sm_scale=scale, group=g, mass=mass, chunk_pages=chunk_pages,
     )
     out = out.transpose(1, 0, 2, 3).reshape(b, hq, d).astype(q.dtype)
     lse = lse.transpose(1, 0, 2).reshape(b, hq)
@@ -157,8 +228,12 @@ def prefill_reference(
     *,
     sm_scale: float | None = None,
     mass: str | None = None,
+    chunk_pages: int | None = None,
 ) -> tuple[jax.Array, AttentionAux]:
-    """Chunked prefill attention, plain JAX: (out [B, T, Hq, D] in q.dtype, AttentionAux)."""
+    """Chunked prefill attention, plain JAX: (out [B, T, Hq, D] in q.dtype, AttentionAux).
+
+    `chunk_pages` (static): table columns per loop step; None picks a cache-sized chunk.
+    """
     b, t, hq, d = q.shape
     hkv = k_pages.shape[0]
     g = hq // hkv
@@ -169,7 +244,7 @@ def prefill_reference(
     row_pos = jnp.repeat(pos, g, axis=1)  # row r = t * g + h
     out, lse, per_token = paged_attention_rows(
         q_rows, row_pos, k_pages, v_pages, block_tables, lengths,
-        sm_scale=scale, group=g, mass=mass,
+        sm_scale=scale, group=g, mass=mass, chunk_pages=chunk_pages,
     )
     out = out.reshape(hkv, b, t, g, d).transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d)
     lse = lse.reshape(hkv, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, hq)

@@ -1,0 +1,232 @@
+"""Paged-attention benchmark: `python -m experiments.bench_attention --json`.
+
+CPU part: the reference-path paged decode against a dense (contiguous-cache) decode at the
+SmolLM2-135M shape, timed side by side (interleaved repeats) in one run, reported as ratios.
+GPU part (only when a GPU is present): the Pallas decode at the Qwen2.5-7B shape as bytes read
+per second, against a device-to-device copy measured in the same run, against the H200's
+4.8 TB/s, side by side with the JAX peer kernel on the same inputs, and int8 pages vs bf16.
+
+Not a timed test: numbers go to a JSON file with the command, versions, device and seed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+from absl import app, flags
+import jax
+import jaxlib
+import jax.numpy as jnp
+import numpy as np
+
+from configs.models import get_model_config
+from kernels import paged_attention as pa
+from kernels.quantization import quantize_kv
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("json", False, "Print the results as JSON (and write them to --out).")
+flags.DEFINE_string("out", None, "JSON output path; default results/bench_attention_<cpu|gpu>.json.")
+flags.DEFINE_list("contexts", ["512", "1024", "2048", "4096", "8192"], "CPU contexts (tokens).")
+flags.DEFINE_list("batches", ["1", "8"], "CPU batch sizes.")
+flags.DEFINE_string("cpu_model", "smollm2-135m", "Model preset whose attention shape the CPU part uses.")
+flags.DEFINE_enum("cpu_dtype", "float32", ["float32", "bfloat16"], "CPU cache dtype.")
+flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+flags.DEFINE_integer("repeats", 30, "Timed repeats per point (median reported).")
+flags.DEFINE_integer("seed", 0, "Seed for data and block-table permutations.")
+flags.DEFINE_bool("skip_cpu", False, "Skip the CPU part.")
+flags.DEFINE_bool("skip_gpu", False, "Skip the GPU part even when a GPU is present.")
+flags.DEFINE_string("gpu_model", "qwen2.5-7b", "Model preset for the GPU part.")
+flags.DEFINE_integer("gpu_batch", 32, "GPU batch.")
+flags.DEFINE_integer("gpu_context", 32768, "GPU context (tokens per sequence).")
+flags.DEFINE_float("peak_tb_s", 4.8, "Nominal HBM bandwidth (TB/s) of the device (H200: 4.8).")
+
+
+def _median_ms(fn, *args, repeats):
+    jax.block_until_ready(fn(*args))  # compile + warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def _side_by_side(fns: dict, args: dict, repeats: int) -> dict:
+    """Median ms of each function, repeats interleaved so drift hits all alike."""
+    for name, fn in fns.items():
+        jax.block_until_ready(fn(*args[name]))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args[name]))
+            times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t) * 1e3) for name, t in times.items()}
+
+
+def dense_decode(q, k, v, lengths, *, sm_scale):
+    """Decode over a contiguous cache k, v [B, Hkv, S, D] (slots past the length hold zeros)."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    s = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    mask = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgs,bksd->bkgd", p, v.astype(jnp.float32))
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def _paged_inputs(rng, batch, context, hkv, d, page, dtype, spare=8):
+    """A pool holding `batch` sequences of `context` tokens in randomly permuted pages."""
+    m = math.ceil(context / page)
+    n = batch * m + spare
+    k = jnp.asarray(rng.standard_normal((hkv, n, page, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((hkv, n, page, d)), dtype)
+    tables = jnp.asarray(rng.permutation(n)[: batch * m].reshape(batch, m), jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    return k, v, tables, lengths
+
+
+def cpu_part() -> dict:
+    cfg = get_model_config(FLAGS.cpu_model)
+    hq, hkv, d, page = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, FLAGS.page_size
+    dtype = jnp.dtype(FLAGS.cpu_dtype)
+    scale = 1.0 / math.sqrt(d)
+    rng = np.random.default_rng(FLAGS.seed)
+    dense = jax.jit(lambda q, k, v, l: dense_decode(q, k, v, l, sm_scale=scale))
+    paged = jax.jit(lambda q, k, v, t, l: pa.decode(q, k, v, t, l, sm_scale=scale,
+                                                    backend="reference"))
+    points = []
+    for batch in map(int, FLAGS.batches):
+        for context in map(int, FLAGS.contexts):
+            k, v, tables, lengths = _paged_inputs(rng, batch, context, hkv, d, page, dtype)
+            # The same tokens, contiguous: [B, Hkv, S, D].
+            kd = jnp.take(k, tables, axis=1).reshape(hkv, batch, -1, d).transpose(1, 0, 2, 3)
+            vd = jnp.take(v, tables, axis=1).reshape(hkv, batch, -1, d).transpose(1, 0, 2, 3)
+            q = jnp.asarray(rng.standard_normal((batch, hq, d)), dtype)
+            got, want = paged(q, k, v, tables, lengths), dense(q, kd, vd, lengths)
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            ms = _side_by_side({"dense": dense, "paged": paged},
+                               {"dense": (q, kd, vd, lengths), "paged": (q, k, v, tables, lengths)},
+                               FLAGS.repeats)
+            point = dict(batch=batch, context=context, dense_ms=ms["dense"],
+                         paged_ms=ms["paged"], ratio=ms["paged"] / ms["dense"],
+                         max_abs_diff=err)
+            print(f"[cpu] B={batch:2d} ctx={context:5d}  dense {ms['dense']:8.3f} ms  "
+                  f"paged {ms['paged']:8.3f} ms  ratio {point['ratio']:.2f}", file=sys.stderr)
+            points.append(point)
+    return dict(model=cfg.name, q_heads=hq, kv_heads=hkv, head_dim=d, page_size=page,
+                dtype=dtype.name, points=points, quant_error=quant_error(cfg, rng))
+
+
+def quant_error(cfg, rng) -> dict:
+    """RMS and max error of decode on quantized pages vs full precision, per format."""
+    k, v, tables, lengths = _paged_inputs(rng, 4, 1024, cfg.num_kv_heads, cfg.head_dim, 16,
+                                          jnp.float32)
+    q = jnp.asarray(rng.standard_normal((4, cfg.num_q_heads, cfg.head_dim)), jnp.float32)
+    full = pa.decode(q, k, v, tables, lengths, backend="reference")
+    out = {}
+    for name in ["int8", "int4", "kivi4", "kivi2"]:
+        kq, vq = quantize_kv(k, v, name)
+        diff = pa.decode(q, kq, vq, tables, lengths, backend="reference") - full
+        out[name] = dict(rms=float(jnp.sqrt(jnp.mean(diff**2))), max=float(jnp.max(jnp.abs(diff))),
+                         bytes_vs_bf16=(kq.nbytes + vq.nbytes) / (2 * k.size * 2))
+    return out
+
+
+def gpu_part() -> dict:
+    from jax.experimental.pallas.ops.gpu import paged_attention as peer
+
+    from kernels.paged_attention import pallas_kernel
+
+    cfg = get_model_config(FLAGS.gpu_model)
+    b, ctx, page = FLAGS.gpu_batch, FLAGS.gpu_context, FLAGS.page_size
+    hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    scale = 1.0 / math.sqrt(d)
+    key = jax.random.PRNGKey(FLAGS.seed)
+    m = ctx // page
+    n = b * m
+    kk, kv_, kq_, kp = jax.random.split(key, 4)
+    k = jax.random.normal(kk, (hkv, n, page, d), jnp.bfloat16)
+    v = jax.random.normal(kv_, (hkv, n, page, d), jnp.bfloat16)
+    tables = jax.random.permutation(kp, n).reshape(b, m).astype(jnp.int32)
+    lengths = jnp.full((b,), ctx, jnp.int32)
+    q = jax.random.normal(kq_, (b, hq, d), jnp.bfloat16)
+    kv_bytes = 2 * b * ctx * hkv * d * 2  # K and V actually read, bf16
+
+    # Device-to-device copy bandwidth: read + write of a buffer the size of the K/V read.
+    buf = jax.random.normal(key, (kv_bytes // 2,), jnp.bfloat16)
+    copy_ms = _median_ms(jax.jit(lambda x: -x), buf, repeats=FLAGS.repeats)
+    copy_tb_s = 2 * buf.nbytes / (copy_ms * 1e-3) / 1e12
+
+    ours = jax.jit(lambda q, k, v, t, l: pallas_kernel.decode_pallas(q, k, v, t, l)[0])
+    theirs = jax.jit(lambda q, k, v, t, l: peer.paged_attention(q * scale, k, v, t, l))
+    kq8, vq8 = quantize_kv(k, v, "int8")
+    int8_bytes = kq8.nbytes + vq8.nbytes  # every page of the pool is read once
+    ms = _side_by_side(
+        {"ours_bf16": ours, "peer_bf16": theirs, "ours_int8": ours},
+        {"ours_bf16": (q, k, v, tables, lengths), "peer_bf16": (q, k, v, tables, lengths),
+         "ours_int8": (q, kq8, vq8, tables, lengths)},
+        FLAGS.repeats,
+    )
+    ref_out = pa.decode(q, k, v, tables, lengths, backend="reference")
+    check = {name: float(jnp.max(jnp.abs(fn(q, k, v, tables, lengths).astype(jnp.float32)
+                                         - ref_out.astype(jnp.float32))))
+             for name, fn in (("ours_bf16", ours), ("peer_bf16", theirs))}
+
+    def rate(nbytes, t_ms):
+        tb_s = nbytes / (t_ms * 1e-3) / 1e12
+        return dict(ms=t_ms, bytes=nbytes, tb_s=tb_s, of_copy=tb_s / copy_tb_s,
+                    of_peak=tb_s / FLAGS.peak_tb_s)
+
+    result = dict(
+        model=cfg.name, batch=b, context=ctx, q_heads=hq, kv_heads=hkv, head_dim=d,
+        page_size=page, dtype="bfloat16", copy=dict(ms=copy_ms, tb_s=copy_tb_s),
+        ours_bf16=rate(kv_bytes, ms["ours_bf16"]), peer_bf16=rate(kv_bytes, ms["peer_bf16"]),
+        ours_int8=rate(int8_bytes, ms["ours_int8"]),
+        speedup_vs_peer=ms["peer_bf16"] / ms["ours_bf16"],
+        int8_speedup_vs_bf16=ms["ours_bf16"] / ms["ours_int8"], max_abs_diff_vs_reference=check,
+    )
+    print(f"[gpu] copy {copy_tb_s:.2f} TB/s; ours {result['ours_bf16']['tb_s']:.2f} TB/s "
+          f"({result['ours_bf16']['of_copy']:.0%} of copy); peer "
+          f"{result['peer_bf16']['tb_s']:.2f} TB/s; x{result['speedup_vs_peer']:.2f} vs peer; "
+          f"int8 x{result['int8_speedup_vs_bf16']:.2f} vs bf16", file=sys.stderr)
+    return result
+
+
+def main(argv):
+    del argv
+    backend = jax.default_backend()
+    record = dict(
+        command="python -m experiments.bench_attention " + " ".join(sys.argv[1:]),
+        time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        seed=FLAGS.seed,
+        versions=dict(jax=jax.__version__, jaxlib=jaxlib.__version__, numpy=np.__version__,
+                      python=platform.python_version()),
+        device=dict(backend=backend, kind=jax.devices()[0].device_kind,
+                    count=jax.device_count(), cpu_count=os.cpu_count()),
+    )
+    if not FLAGS.skip_cpu:
+        record["cpu"] = cpu_part()
+    if backend == "gpu" and not FLAGS.skip_gpu:
+        record["gpu"] = gpu_part()
+    else:
+        record["gpu"] = None if FLAGS.skip_gpu else f"skipped: no GPU (backend {backend})"
+    text = json.dumps(record, indent=2)
+    if FLAGS.json:
+        print(text)
+    out = FLAGS.out or f"results/bench_attention_{'gpu' if backend == 'gpu' else 'cpu'}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
