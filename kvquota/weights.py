@@ -472,6 +472,11 @@ def load_pretrained(model: str, path=None) -> tuple[ModelConfig, Params]:
             )
         return load_smollm2(preset.name)
     path = pathlib.Path(path)
+    if not path.exists():
+        raise WeightsNotFoundError(
+            f"weights path not found: {str(path)!r} (expected a .gguf file or a Hugging Face "
+            "checkpoint directory)"
+        )
     if path.is_dir():
         return load_safetensors(path, preset)
     return load_gguf(path, preset)
