@@ -9,3 +9,27 @@ from kvquota.formats import (
     get_kv_format,
 )
 from kvquota.sentinel import INVALID, is_invalid, is_valid
+
+# Model, weights, tokenizer and serving on the paged state (issue #5).
+from kvquota.engine import (
+    DenseEngine,
+    Generation,
+    PagedEngine,
+    Sampling,
+    ScoreResult,
+    generate,
+    score,
+)
+from kvquota.model import ChunkMeta, ContextTooLongError, Decoder, DenseKV, PagedKV, init_params
+from kvquota.tokenizer import Tokenizer, TokenizerError, from_gguf, from_hf_dir, load_tokenizer
+from kvquota.weights import (
+    ConfigMismatchError,
+    UnsupportedArchitectureError,
+    WeightsError,
+    WeightsNotFoundError,
+    load_gguf,
+    load_pretrained,
+    load_safetensors,
+    load_smollm2,
+    save_safetensors,
+)
