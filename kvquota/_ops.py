@@ -253,7 +253,7 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         ref_count=s.ref_count.at[entry].add(1, mode="drop"),
         payer_refs=s.payer_refs.at[new_ids].set(1, mode="drop")
         .at[_oob(rows, is_hit & ok[:, None] & hit_own, nb)].add(1, mode="drop"),
-        payer=s.payer.at[new_ids].set(tcol, mode="drop"),
+        payer=s.payer.at[_after(new_ids, hit_own)].set(tcol, mode="drop"),
         fill=s.fill.at[new_ids].set(fill, mode="drop"),
         token_ids=s.token_ids.at[new_ids].set(blocks_mb, mode="drop"),
         block_hash=s.block_hash.at[new_ids].set(
@@ -312,7 +312,9 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
     ai = _oob(newb, alloc, nb)
 
     s = state
-    token_ids = s.token_ids.at[bi, off].set(tokens, mode="drop")
+    # A freed block keeps stale token ids (unreachable: fill 0, not hashed); a new one starts
+    # from an empty row.
+    token_ids = s.token_ids.at[ai].set(INVALID, mode="drop").at[bi, off].set(tokens, mode="drop")
     # A block that becomes full joins the prefix cache, chained on its predecessor's hash.
     becomes_full = ok & (off == p - 1)
     salts = s.salt[tc]
@@ -324,7 +326,7 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
     state = s.replace(
         token_ids=token_ids,
         fill=s.fill.at[bi].add(1, mode="drop"),
-        block_hash=s.block_hash.at[fi].set(h, mode="drop"),
+        block_hash=s.block_hash.at[_after(fi, prev_hash)].set(h, mode="drop"),
         hashed=s.hashed.at[fi].set(True, mode="drop"),
         ref_count=s.ref_count.at[ai].set(1, mode="drop"),
         payer=s.payer.at[ai].set(t, mode="drop"),
@@ -334,8 +336,9 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
         parent_gen=s.parent_gen.at[ai].set(
             jnp.where(prev >= 0, s.generation[_clip(prev)], 0), mode="drop"),
         free_count=s.free_count.at[0].add(-n_alloc),
-        block_tables=s.block_tables.at[_oob(sc, alloc, ns), kc].set(newb, mode="drop"),
-        seq_lens=s.seq_lens.at[rows].add(1, mode="drop"),
+        block_tables=s.block_tables.at[_after(_oob(sc, alloc, ns), prev, blk), kc].set(
+            newb, mode="drop"),
+        seq_lens=s.seq_lens.at[_after(rows, length)].add(1, mode="drop"),
         positions=s.positions.at[rows].add(1, mode="drop"),
         used_tokens=s.used_tokens.at[_oob(tc, ok, config.num_tenants)].add(1, mode="drop"),
         charged_blocks=s.charged_blocks.at[_oob(tc, alloc, config.num_tenants), 0].add(
@@ -386,15 +389,16 @@ def fork(config: StateConfig, state: KVState, seq_ids):
         .at[ai].set(1, mode="drop"),
         payer_refs=s.payer_refs.at[_oob(rows, shared & own, nb)].add(1, mode="drop")
         .at[ai].set(1, mode="drop"),
-        payer=s.payer.at[ai].set(t, mode="drop"),
+        payer=s.payer.at[_after(ai, own)].set(t, mode="drop"),
         fill=s.fill.at[ai].set(s.fill[oc], mode="drop"),
         token_ids=s.token_ids.at[ai].set(s.token_ids[oc], mode="drop"),
         block_salt=s.block_salt.at[ai].set(s.block_salt[oc], mode="drop"),
         parent=s.parent.at[ai].set(s.parent[oc], mode="drop"),
         parent_gen=s.parent_gen.at[ai].set(s.parent_gen[oc], mode="drop"),
         free_count=s.free_count.at[0].add(-n_alloc),
-        block_tables=s.block_tables.at[_oob(slot, ok, ns)].set(rows, mode="drop"),
-        seq_lens=s.seq_lens.at[_oob(slot, ok, ns)].set(length, mode="drop"),
+        block_tables=s.block_tables.at[_after(_oob(slot, ok, ns), src_rows, rows, oldb, own)].set(
+            rows, mode="drop"),
+        seq_lens=s.seq_lens.at[_after(_oob(slot, ok, ns), length)].set(length, mode="drop"),
         positions=s.positions.at[_oob(slot, ok, ns)].set(s.positions[sc], mode="drop"),
         seq_tenant=s.seq_tenant.at[_oob(slot, ok, ns)].set(t, mode="drop"),
         seq_status=s.seq_status.at[_oob(slot, ok, ns)].set(jnp.int8(SEQ_RUNNING), mode="drop"),
@@ -411,95 +415,120 @@ def fork(config: StateConfig, state: KVState, seq_ids):
 
 
 # ---- dropping references: free, release, unpin ------------------------------------------------
-def _heirs(config, state, orphans_sorted, heir_rows):
-    """For sorted orphan block ids (i32[E], NB = padding): the lowest tenant id among the
-    sequences in `heir_rows` that reference each, and how many references that tenant holds.
+def _after(index, *reads):
+    """`index`, made data-dependent on `reads` (earlier reads of the array it will scatter into).
 
-    A sort-merge join over the heir rows' entries: no NB-sized temporaries.
+    An in-place scatter must run after every read of the array's old value. Unless the scatter's
+    indices depend on those reads, XLA cannot order them and its copy insertion protects the
+    reads by copying the whole (NB-sized) array, which defeats donation. The dependency is a
+    condition that always holds (no value read here is INT32_MIN) but that XLA cannot fold.
+    (`lax.optimization_barrier` does not help: XLA:CPU expands it before copy insertion.)
     """
-    e = orphans_sorted.shape[0]
+    ok = jnp.bool_(True)
+    for x in jax.tree_util.tree_leaves(reads):
+        if x.size:
+            ok = ok & (jnp.min(x.astype(jnp.int32)) > jnp.iinfo(jnp.int32).min)
+    return jnp.where(ok, index, jnp.iinfo(jnp.int32).max)
+
+
+def _heir_inputs(state, heir_rows):
+    """Entries i32[R, MB] and tenants i32[R, MB] of the rows that may inherit charges (None when
+    the caller knows there is no candidate: then no table row beyond the freed ones is read)."""
+    if heir_rows is None:
+        return None
     hr = _clip(heir_rows)
-    ten = jnp.where(heir_rows >= 0, state.seq_tenant[hr], INVALID)
-    entries = state.block_tables[hr]  # [R, MB]
-    tcol = jnp.broadcast_to(ten[:, None], entries.shape)
-    live = (entries >= 0) & (tcol >= 0)
-    at = jnp.searchsorted(orphans_sorted, entries).astype(jnp.int32)
-    atc = jnp.minimum(at, e - 1)
-    member = live & (orphans_sorted[atc] == entries)
-    seg = jnp.where(member, atc, e).ravel()
-    big = jnp.int32(config.num_tenants)
-    heir = jax.ops.segment_min(jnp.where(member, tcol, big).ravel(), seg, num_segments=e + 1)[:e]
-    heir = jnp.minimum(heir, big)
-    mine = member & (tcol == heir[atc])
-    refs = jax.ops.segment_sum(mine.astype(jnp.int32).ravel(), seg, num_segments=e + 1)[:e]
-    return jnp.where(heir >= big, INVALID, heir).astype(jnp.int32), refs
+    hten = jnp.where(heir_rows >= 0, state.seq_tenant[hr], INVALID)
+    hent = state.block_tables[hr]
+    return hent, jnp.broadcast_to(hten[:, None], hent.shape)
 
 
-def _settle(config, state, touched, heir_rows):
+def _settle(config, state, touched, heirs, reads=()):
     """After references or pins were dropped on `touched` blocks (i32[E], repeats and INVALID
-    allowed): free blocks no longer held, and pass the charge of blocks whose payer holds no
-    reference any more to the remaining referencer with the lowest tenant id."""
+    allowed): free the blocks no longer held, and pass the charge of blocks whose payer holds no
+    reference any more to the remaining referencer with the lowest tenant id among `heirs`
+    (entries and tenants of the candidate rows, read before any row was cleared).
+
+    Everything is O(E + R x MB) gathers and scatters: nothing sorts and nothing is NB-sized.
+    Repeated ids are resolved by letting every copy write its (negative) position into the
+    block's `payer`, which is overwritten anyway for freed and orphaned blocks, and keeping the
+    copy that won. `reads` are earlier reads of `payer` the first write must wait for.
+    """
     nb, ntn, npools = config.total_blocks, config.num_tenants, config.num_pools
-    srt = jnp.sort(jnp.where(touched >= 0, touched, nb))
-    first = (srt < nb) & (srt != jnp.pad(srt[:-1], (1, 0), constant_values=-1))
-    u = jnp.where(first, srt, nb)
-    uc = jnp.minimum(u, nb - 1)
+    e = touched.shape[0]
     s = state
-    ref, pin, prefs = s.ref_count[uc], s.pin_count[uc], s.payer_refs[uc]
-    freed = first & (ref == 0) & (pin == 0)
-    orphan = first & (ref > 0) & (pin == 0) & (prefs == 0)
-    pool = pool_of(config, uc)
-    old_payer = s.payer[uc]
-    units = jnp.asarray(config.pool_units, jnp.int32)[pool]
-    zeros_t = jnp.zeros((ntn,), jnp.int32)
+    valid = touched >= 0
+    b = _clip(touched)
+    ref, pin, prefs, old_payer = s.ref_count[b], s.pin_count[b], s.payer_refs[b], s.payer[b]
+    pool = pool_of(config, b)
+    freed_e = valid & (ref == 0) & (pin == 0)
+    orphan_e = valid & (ref > 0) & (pin == 0) & (prefs == 0)
+    # One winner per distinct block among repeated entries.
+    tag = -2 - jnp.arange(e, dtype=jnp.int32)
+    payer = s.payer.at[_after(_oob(b, freed_e | orphan_e, nb), old_payer, reads)].set(
+        tag, mode="drop")
+    won = payer[b]
+    first = (freed_e | orphan_e) & (won == tag)
+    freed = freed_e & first
+    orphan = orphan_e & first
 
-    # Heirs, only searched for when some charge has to pass on (a cond on small outputs).
-    osrt = jnp.sort(jnp.where(orphan, u, nb))
-    heir_s, refs_s = lax.cond(
-        orphan.any(),
-        lambda: _heirs(config, s, osrt, heir_rows),
-        lambda: (jnp.full(osrt.shape, INVALID, jnp.int32), jnp.zeros(osrt.shape, jnp.int32)),
-    )
-    at = jnp.minimum(jnp.searchsorted(osrt, u), u.shape[0] - 1)
-    heir = jnp.where(orphan, heir_s[at], INVALID)
-    heir_refs = refs_s[at]
-    moved = orphan & (heir >= 0)
+    # Heirs: mark orphans (payer_refs = -1, payer = T), scatter-min the tenant of every heir-row
+    # entry naming a marked block into its payer, then count the heir's own references.
+    oi = _oob(b, orphan, nb)
+    payer = payer.at[_after(oi, won)].set(ntn, mode="drop")
+    payer_refs = s.payer_refs
+    if heirs is not None:
+        hent, htc = heirs
+        payer_refs = payer_refs.at[_after(oi, prefs)].set(-1, mode="drop")
+        marked = payer_refs[_clip(hent)]
+        member = (hent >= 0) & (htc >= 0) & (marked == -1)
+        payer = payer.at[_oob(hent, member, nb)].min(htc, mode="drop")
+        payer_refs = payer_refs.at[_after(oi, marked)].set(0, mode="drop")
+        heir_of_entry, heir = payer[_clip(hent)], payer[b]
+        mine = member & (heir_of_entry == htc)
+        payer_refs = payer_refs.at[_oob(hent, mine, nb)].add(1, mode="drop")
+        payer_reads = (heir_of_entry, heir)
+    else:
+        heir = payer[b]
+        payer_reads = (heir,)
+    moved = orphan & (heir < ntn)
+    payer = payer.at[_after(_oob(b, orphan & ~moved, nb), payer_reads)].set(
+        old_payer, mode="drop")  # no heir found
+    payer = payer.at[_after(_oob(b, freed, nb), payer_reads)].set(INVALID, mode="drop")
 
-    # Free-list push, per pool, in sorted block order.
+    # Free-list push, per pool, in entry order.
     onehot = (pool[:, None] == jnp.arange(npools)[None, :]) & freed[:, None]
-    rank = (jnp.cumsum(onehot.astype(jnp.int32), axis=0) - 1)[jnp.arange(u.shape[0]), pool]
+    rank = (jnp.cumsum(onehot.astype(jnp.int32), axis=0) - 1)[jnp.arange(e), pool]
     starts = jnp.asarray(config.pool_starts, jnp.int32)
     push_at = _oob(starts[pool] + s.free_count[pool] + rank, freed, nb)
     returned = onehot.sum(axis=0).astype(jnp.int32)
 
-    fi = _oob(u, freed, nb)
-    mi = _oob(u, moved, nb)
+    units = jnp.asarray(config.pool_units, jnp.int32)[pool]
+    dropped = freed | moved
     charged = (
-        s.charged_blocks.at[_oob(old_payer, freed | moved, ntn), pool].add(-1, mode="drop")
+        s.charged_blocks.at[_oob(old_payer, dropped, ntn), pool].add(-1, mode="drop")
         .at[_oob(heir, moved, ntn), pool].add(1, mode="drop")
     )
-    released = zeros_t.at[_oob(old_payer, freed | moved, ntn)].add(units, mode="drop")
+    zeros_t = jnp.zeros((ntn,), jnp.int32)
+    released = zeros_t.at[_oob(old_payer, dropped, ntn)].add(units, mode="drop")
     inherited = zeros_t.at[_oob(heir, moved, ntn)].add(units, mode="drop")
-    over = (inherited > 0) & (
-        (charged * _device_units(config)[None, :]).sum(axis=1) > s.byte_quota
-    )
+    over = (inherited > 0) & ((charged * _device_units(config)[None, :]).sum(axis=1) > s.byte_quota)
+    fi = _oob(b, freed, nb)
     updates = dict(
-        payer=s.payer.at[fi].set(INVALID, mode="drop").at[mi].set(heir, mode="drop"),
-        payer_refs=s.payer_refs.at[fi].set(0, mode="drop").at[mi].set(heir_refs, mode="drop"),
+        payer=payer,
+        payer_refs=payer_refs.at[fi].set(0, mode="drop"),
         fill=s.fill.at[fi].set(0, mode="drop"),
-        token_ids=s.token_ids.at[fi].set(INVALID, mode="drop"),
         block_hash=s.block_hash.at[fi].set(jnp.uint32(0), mode="drop"),
         hashed=s.hashed.at[fi].set(False, mode="drop"),
         block_salt=s.block_salt.at[fi].set(jnp.uint32(0), mode="drop"),
         parent=s.parent.at[fi].set(INVALID, mode="drop"),
         parent_gen=s.parent_gen.at[fi].set(0, mode="drop"),
         generation=s.generation.at[fi].add(1, mode="drop"),
-        free_list=s.free_list.at[push_at].set(u, mode="drop"),
+        free_list=s.free_list.at[push_at].set(b, mode="drop"),
         free_count=s.free_count + returned,
         charged_blocks=charged,
     )
     if config.scrub_on_free and s.k_pages is not None:
-        pi = _oob(u, freed & (pool == 0), nb)
+        pi = _oob(b, freed & (pool == 0), nb)
         updates["k_pages"] = s.k_pages.at[:, :, pi].set(0, mode="drop")
         updates["v_pages"] = s.v_pages.at[:, :, pi].set(0, mode="drop")
     state = s.replace(**updates)
@@ -514,7 +543,8 @@ def _settle(config, state, touched, heir_rows):
 
 def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_slots=0):
     """Free the sequences `seq_rows` (i32[K], unique, INVALID = padding): one reference dropped
-    per block-table entry. `heir_rows` (i32[R]) are the live sequences that may inherit charges.
+    per block-table entry. `heir_rows` (i32[R], disjoint from `seq_rows`) are the live sequences
+    that may inherit charges.
 
     With `unpin_tenant` (a traced i32 scalar) and `unpin_slots` > 0 (static: an upper bound on that
     tenant's pinned blocks), also drops every pin on blocks charged to that tenant.
@@ -525,28 +555,32 @@ def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_
     ten = jnp.where(valid, state.seq_tenant[rc], INVALID)
     entries = jnp.where(valid[:, None], state.block_tables[rc], INVALID)  # [K, MB]
     live = entries >= 0
-    own = live & (state.payer[_clip(entries)] == ten[:, None])
     lens = jnp.where(valid, state.seq_lens[rc], 0)
+    heirs = _heir_inputs(state, heir_rows)
+    payer_read = state.payer[_clip(entries)]
+    own = live & (payer_read == ten[:, None])
     rows = _oob(seq_rows, valid, ns)
     s = state
     state = s.replace(
         ref_count=s.ref_count.at[_oob(entries, live, nb)].add(-1, mode="drop"),
         payer_refs=s.payer_refs.at[_oob(entries, own, nb)].add(-1, mode="drop"),
         used_tokens=s.used_tokens.at[_oob(ten, valid, ntn)].add(-lens, mode="drop"),
-        block_tables=s.block_tables.at[rows].set(INVALID, mode="drop"),
-        seq_lens=s.seq_lens.at[rows].set(0, mode="drop"),
+        block_tables=s.block_tables.at[_after(rows, entries, heirs)].set(INVALID, mode="drop"),
+        seq_lens=s.seq_lens.at[_after(rows, lens)].set(0, mode="drop"),
         positions=s.positions.at[rows].set(0, mode="drop"),
-        seq_tenant=s.seq_tenant.at[rows].set(INVALID, mode="drop"),
+        seq_tenant=s.seq_tenant.at[_after(rows, ten, heirs)].set(INVALID, mode="drop"),
         seq_status=s.seq_status.at[rows].set(jnp.int8(SEQ_FREE), mode="drop"),
     )
     tokens_released = jnp.zeros((ntn,), jnp.int32).at[_oob(ten, valid, ntn)].add(lens, mode="drop")
     touched = entries.ravel()
     unpinned = jnp.int32(0)
+    reads = (payer_read,)
     if unpin_tenant is not None and unpin_slots > 0:
-        state, pinned = _unpin_all(config, state, unpin_tenant, unpin_slots)
+        state, pinned, payer_mask = _unpin_all(config, state, unpin_tenant, unpin_slots)
         touched = jnp.concatenate([touched, pinned])
         unpinned = (pinned >= 0).sum().astype(jnp.int32)
-    state, rep = _settle(config, state, touched, heir_rows)
+        reads = reads + (payer_mask,)
+    state, rep = _settle(config, state, touched, heirs, reads)
     report = FreeReport(
         seqs_freed=valid.sum().astype(jnp.int32),
         tokens_released=tokens_released,
@@ -575,7 +609,7 @@ def _unpin_all(config, state, tenant, slots):
             _oob(jnp.full_like(ids, tenant), keep, config.num_tenants), pool
         ].add(-1, mode="drop"),
     )
-    return state, ids
+    return state, ids, ids
 
 
 def pin(config: StateConfig, state: KVState, block_ids):
@@ -583,12 +617,13 @@ def pin(config: StateConfig, state: KVState, block_ids):
     nb = config.total_blocks
     keep = block_ids >= 0
     bc = _clip(block_ids)
-    first_pin = keep & (state.pin_count[bc] == 0)
+    old_pin = state.pin_count[bc]
+    first_pin = keep & (old_pin == 0)
     payer = state.payer[bc]
     pool = pool_of(config, bc)
     s = state
     state = s.replace(
-        pin_count=s.pin_count.at[_oob(block_ids, keep, nb)].add(1, mode="drop"),
+        pin_count=s.pin_count.at[_after(_oob(block_ids, keep, nb), old_pin)].add(1, mode="drop"),
         pinned_blocks=s.pinned_blocks.at[_oob(payer, first_pin, config.num_tenants), pool].add(
             1, mode="drop"),
     )
@@ -607,16 +642,18 @@ def unpin(config: StateConfig, state: KVState, block_ids, heir_rows):
     nb = config.total_blocks
     keep = block_ids >= 0
     bc = _clip(block_ids)
-    last_pin = keep & (state.pin_count[bc] == 1)
+    old_pin = state.pin_count[bc]
+    last_pin = keep & (old_pin == 1)
     payer = state.payer[bc]
     pool = pool_of(config, bc)
     s = state
     state = s.replace(
-        pin_count=s.pin_count.at[_oob(block_ids, keep, nb)].add(-1, mode="drop"),
+        pin_count=s.pin_count.at[_after(_oob(block_ids, keep, nb), old_pin)].add(-1, mode="drop"),
         pinned_blocks=s.pinned_blocks.at[_oob(payer, last_pin, config.num_tenants), pool].add(
             -1, mode="drop"),
     )
-    state, rep = _settle(config, state, jnp.where(keep, block_ids, INVALID), heir_rows)
+    heirs = _heir_inputs(s, heir_rows)
+    state, rep = _settle(config, state, jnp.where(keep, block_ids, INVALID), heirs, (payer,))
     report = FreeReport(
         seqs_freed=jnp.int32(0),
         tokens_released=jnp.zeros((config.num_tenants,), jnp.int32),

@@ -147,14 +147,15 @@ class Allocator:
                 raise error(f"{what}: sequence {int(ids[status != SEQ_RUNNING][0])} is not running")
         return ids
 
-    def _heir_rows(self, state, salts, exclude) -> np.ndarray:
-        """Live sequence slots of tenants whose salt is in `salts` (the only possible heirs)."""
+    def _heir_rows(self, state, salts, exclude) -> Optional[np.ndarray]:
+        """Live sequence slots of tenants whose salt is in `salts` (the only possible heirs),
+        padded to a power of two; None when there are none (the core then reads no other row)."""
         ten = np.asarray(state.seq_tenant)
         salt = np.asarray(state.salt)
         live = ten >= 0
         rows = np.flatnonzero(live & np.isin(salt[np.maximum(ten, 0)], np.asarray(salts)))
         rows = np.setdiff1d(rows, exclude)
-        return _pad(rows, _bucket(len(rows)))
+        return _pad(rows, _bucket(len(rows))) if len(rows) else None
 
     # ---- tenants ---------------------------------------------------------------------------
     def _quota_units(self, byte_quota) -> int:

@@ -161,12 +161,12 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
                 f"unheld not free: {np.setdiff1d(want, fl)[:5].tolist()})"
             )
 
-    # Free blocks are tombstones: no metadata survives into the next allocation.
+    # Free blocks are tombstones: not hashed, no fill, no payer or chain data, so no lookup can
+    # return them. (Their token ids are left stale on purpose: every allocation rewrites them.)
     free = ~held
     _flag(problems, "free block with a payer", free & (st.payer != INVALID))
     _flag(problems, "free block with payer refs", free & (st.payer_refs != 0))
     _flag(problems, "free block with fill", free & (st.fill != 0))
-    _flag(problems, "free block with token ids", free & (st.token_ids != INVALID).any(1))
     _flag(problems, "free block still hashed", free & (st.hashed | (st.block_hash != 0).any(1)))
     _flag(problems, "free block with chain data",
           free & ((st.parent != INVALID) | (st.parent_gen != 0) | (st.block_salt != 0)))

@@ -65,9 +65,9 @@ def test_admit_prefix_hits_free_and_reuse():
     assert r.pool_bytes_returned == BLOCK and r.quota_bytes_released == BLOCK
     assert _ints(r.blocks_returned) == [1, 0, 0] and _ints(r.tokens_released) == [5, 0]
     assert _ints(s.ref_count[:3]) == [1, 1, 0] and int(s.free_count[0]) == 2
-    # Tombstone cleared before any reuse: no hash, no tokens, no payer.
-    assert not bool(s.hashed[2]) and _ints(s.token_ids[2]) == [INVALID, INVALID]
-    assert int(s.payer[2]) == INVALID
+    # Tombstone before any reuse: no hash entry, no fill, no payer (so no lookup can hit it).
+    assert not bool(s.hashed[2]) and _ints(s.block_hash[2]) == [0, 0]
+    assert int(s.fill[2]) == 0 and int(s.payer[2]) == INVALID
 
     # Same prompt again: hits 0, 1; the partial block is the top of the stack [7, 2] -> 2.
     s, r = alloc.admit(s, *prompts([(0, [10, 11, 12, 13, 14])]))
