@@ -25,7 +25,7 @@ def interpret_mode() -> bool:
     return jax.default_backend() != "gpu"
 
 
-_STATIC = ("sm_scale", "mass", "chunk_pages")
+_STATIC = ("sm_scale", "mass", "chunk_pages", "pool_dot")
 _decode_reference = jax.jit(reference.decode_reference, static_argnames=_STATIC)
 _prefill_reference = jax.jit(reference.prefill_reference, static_argnames=_STATIC)
 

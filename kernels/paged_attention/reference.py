@@ -76,6 +76,38 @@ def _chunk_logits(q_rows, k_pages, block_tables, row_pos, lengths, first_pos, sm
     return jnp.where(visible[None], logits, -jnp.inf), in_len
 
 
+def _pool_logits(q_rows, k_pages, block_tables, row_pos, lengths, sm_scale):
+    """Like `_chunk_logits` over the whole table, but by one dot against every slot of the pool
+    followed by a gather of logits (4 bytes a slot and row) instead of K (4*D bytes a slot).
+
+    Pays when the pool is about as large as the tables it serves; unused slots may give NaN
+    logits, but only the table's slots are picked and the invisible ones replaced by -inf.
+    """
+    h, n, p, d = k_pages.shape
+    _, b, r, _ = q_rows.shape
+    dt = jnp.promote_types(q_rows.dtype, k_pages.dtype)
+    every = jnp.einsum("hxd,hsd->hxs", q_rows.reshape(h, b * r, d).astype(dt),
+                       k_pages.reshape(h, n * p, d).astype(dt), precision=_HIGHEST,
+                       preferred_element_type=jnp.float32).reshape(h, b, r, n, p)
+    idx = jnp.clip(block_tables, 0, n - 1)[None, :, None, :, None]  # [1, B, 1, M, 1]
+    logits = jnp.take_along_axis(every, idx, axis=3).reshape(h, b, r, -1) * jnp.float32(sm_scale)
+    key_pos = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    in_len = key_pos[None, :] < lengths[:, None]
+    visible = in_len[:, None, :] & (key_pos[None, None, :] <= row_pos[:, :, None])
+    return jnp.where(visible[None], logits, -jnp.inf), in_len
+
+
+def use_pool_dot(k_pages, batch, rows, max_blocks, max_rows=8, logits_budget=1 << 23) -> bool:
+    """Static choice of `_pool_logits`: plain pages, a pool at most twice the tables' pages, few
+    query rows in all (measured on CPU: one dot over the pool beats gathering K at batch 1 by
+    ~1.5x, but loses to the chunked gather at batch 8) and all logits within `logits_budget`."""
+    if not _plain(k_pages):
+        return False
+    h, n, p, _ = k_pages.shape
+    return (n <= 2 * batch * max_blocks and batch * rows <= max_rows
+            and h * batch * rows * n * p * 4 <= logits_budget)
+
+
 def _chunk_values(v_pages, block_tables, in_len):
     """V of one chunk [Hkv, B, C, D] f32, zero past the length (those slots may hold NaN:
     0 * NaN would leak through the value product). The mask fuses into the gather."""
@@ -88,7 +120,7 @@ def _safe(m):
 
 
 def auto_chunk_pages(batch, kv_heads, rows, page_size, head_dim, max_blocks,
-                     target_bytes=1 << 19):
+                     target_bytes=1 << 22):
     """Table columns per step: K + V + logits of a chunk near `target_bytes` (cache-sized).
 
     Big fresh buffers are what makes a one-shot gather slow on CPU (a 50 MB gathered copy costs
@@ -112,6 +144,7 @@ def paged_attention_rows(
     group: int,
     mass: str | None,
     chunk_pages: int | None = None,
+    pool_dot: bool | None = None,
 ):
     """Attention of query rows over paged K/V -> (out [Hkv, B, R, D] f32, lse [Hkv, B, R], mass).
 
@@ -120,13 +153,20 @@ def paged_attention_rows(
 
     The table is walked `chunk_pages` columns at a time with the online softmax of flash
     attention (one pass when it fits one chunk); the loop stops after the last chunk any row can
-    see, so a wide table over short sequences costs what the sequences cost.
+    see, so a wide table over short sequences costs what the sequences cost. `pool_dot` (None:
+    `use_pool_dot` decides) takes all logits in one pass by `_pool_logits` instead.
     """
     hkv, b, r, d = q_rows.shape
     m_cols = block_tables.shape[1]
     page = k_pages.shape[2]
+    if pool_dot is None:
+        pool_dot = use_pool_dot(k_pages, b, r, m_cols)
+    if pool_dot and not _plain(k_pages):
+        raise ValueError("pool_dot needs plain (unquantized) pages")
     if chunk_pages is None:
-        chunk_pages = auto_chunk_pages(b, hkv, r, page, d, m_cols)
+        chunk_pages = m_cols if pool_dot else auto_chunk_pages(b, hkv, r, page, d, m_cols)
+    if pool_dot:
+        chunk_pages = m_cols
     c = min(chunk_pages, m_cols)
     n_chunks = -(-m_cols // c)
     tables = jnp.pad(block_tables, ((0, 0), (0, n_chunks * c - m_cols)))  # padding: past lengths
@@ -136,8 +176,11 @@ def paged_attention_rows(
 
     def step(j, carry):
         o, m, l = carry
-        logits, in_len = _chunk_logits(q_rows, k_pages, columns(j), row_pos, lengths,
-                                       j * c * page, sm_scale)
+        if pool_dot:  # one chunk: the whole table
+            logits, in_len = _pool_logits(q_rows, k_pages, tables, row_pos, lengths, sm_scale)
+        else:
+            logits, in_len = _chunk_logits(q_rows, k_pages, columns(j), row_pos, lengths,
+                                           j * c * page, sm_scale)
         m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
         alpha = jnp.exp(m - _safe(m_new))  # m = -inf (nothing seen yet) -> 0
         p = jnp.exp(logits - _safe(m_new)[..., None])  # invisible: exp(-inf) = 0
@@ -197,10 +240,12 @@ def decode_reference(
     sm_scale: float | None = None,
     mass: str | None = None,
     chunk_pages: int | None = None,
+    pool_dot: bool | None = None,
 ) -> tuple[jax.Array, AttentionAux]:
     """Decode attention, plain JAX: (out [B, Hq, D] in q.dtype, AttentionAux).
 
-    `chunk_pages` (static): table columns per loop step; None picks a cache-sized chunk.
+    Static knobs of the algorithm (same result either way): `chunk_pages`, table columns per
+    loop step (None: cache-sized); `pool_dot`, logits by one dot over the pool (None: by shape).
     """
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
@@ -211,6 +256,7 @@ def decode_reference(
     out, lse, per_token = paged_attention_rows(
         q_rows, row_pos, k_pages, v_pages, block_tables, lengths,
         sm_scale=scale, group=g, mass=mass, chunk_pages=chunk_pages,
+        pool_dot=pool_dot,
     )
     out = out.transpose(1, 0, 2, 3).reshape(b, hq, d).astype(q.dtype)
     lse = lse.transpose(1, 0, 2).reshape(b, hq)
@@ -229,10 +275,11 @@ def prefill_reference(
     sm_scale: float | None = None,
     mass: str | None = None,
     chunk_pages: int | None = None,
+    pool_dot: bool | None = None,
 ) -> tuple[jax.Array, AttentionAux]:
     """Chunked prefill attention, plain JAX: (out [B, T, Hq, D] in q.dtype, AttentionAux).
 
-    `chunk_pages` (static): table columns per loop step; None picks a cache-sized chunk.
+    Static knobs as in `decode_reference`.
     """
     b, t, hq, d = q.shape
     hkv = k_pages.shape[0]
@@ -245,6 +292,7 @@ def prefill_reference(
     out, lse, per_token = paged_attention_rows(
         q_rows, row_pos, k_pages, v_pages, block_tables, lengths,
         sm_scale=scale, group=g, mass=mass, chunk_pages=chunk_pages,
+        pool_dot=pool_dot,
     )
     out = out.reshape(hkv, b, t, g, d).transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d)
     lse = lse.reshape(hkv, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, hq)

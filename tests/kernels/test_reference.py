@@ -96,13 +96,14 @@ def test_hand_worked_prefill():
     np.testing.assert_allclose(aux.mass[0, 0, 3:], 0.0)
 
 
+@pytest.mark.parametrize("pool_dot", [False, True])
 @pytest.mark.parametrize("past_length", ["sentinel", "arbitrary"])
 @pytest.mark.parametrize("kv_heads,q_heads,page_size", [(1, 1, 8), (3, 9, 16), (2, 14, 32)])
-def test_decode_matches_numpy(kv_heads, q_heads, page_size, past_length):
+def test_decode_matches_numpy(kv_heads, q_heads, page_size, past_length, pool_dot):
     c = make_case(1, batch=7, q_heads=q_heads, kv_heads=kv_heads, page_size=page_size,
                   max_blocks=4, past_length=past_length)
-    out, aux = pa.decode(c.q, c.k_pages, c.v_pages, c.block_tables, c.lengths,
-                         mass="token", backend="reference")
+    out, aux = pa.decode_reference(c.q, c.k_pages, c.v_pages, c.block_tables, c.lengths,
+                                   mass="token", pool_dot=pool_dot)
     scale = 1 / math.sqrt(c.q.shape[-1])
     want, lse, probs = numpy_attention(c.q[:, None], c.k_dense, c.v_dense,
                                        (c.lengths - 1)[:, None], c.lengths, scale)
@@ -195,20 +196,24 @@ def test_reference_is_jittable_under_outer_jit():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("chunk_pages", [1, 2, 3])
-def test_chunked_walk_equals_one_pass(chunk_pages):
-    """The reference walks long tables in chunks (online softmax); any chunking gives the same."""
+@pytest.mark.parametrize("chunk_pages,pool_dot", [(1, False), (2, False), (3, False), (7, True)])
+def test_chunked_walk_equals_one_pass(chunk_pages, pool_dot):
+    """The reference walks long tables in chunks (online softmax), or takes all logits by one
+    dot over the pool; every way gives the one-pass gather's result."""
     c = make_case(6, batch=5, q_heads=6, kv_heads=2, page_size=8, max_blocks=7,
                   lengths=[0, 1, 8, 56, 30], past_length="arbitrary", query_len=4)
     q_start = np.maximum(c.lengths - 3, 0).astype(np.int32)
     args = (c.q, c.k_pages, c.v_pages, c.block_tables, c.lengths, q_start)
-    one, one_aux = pa.prefill_reference(*args, mass="token", chunk_pages=7)
-    got, aux = pa.prefill_reference(*args, mass="token", chunk_pages=chunk_pages)
+    one, one_aux = pa.prefill_reference(*args, mass="token", chunk_pages=7, pool_dot=False)
+    got, aux = pa.prefill_reference(*args, mass="token", chunk_pages=chunk_pages,
+                                    pool_dot=pool_dot)
     assert_close(got, one, np.float32, "prefill out")
     assert_close(aux.mass, one_aux.mass, np.float32, "token mass")
     np.testing.assert_allclose(np.asarray(aux.lse), np.asarray(one_aux.lse), rtol=1e-6)
     dq = c.q[:, 0]
-    one, one_aux = pa.decode_reference(dq, *args[1:5], mass="block", chunk_pages=7)
-    got, aux = pa.decode_reference(dq, *args[1:5], mass="block", chunk_pages=chunk_pages)
+    one, one_aux = pa.decode_reference(dq, *args[1:5], mass="block", chunk_pages=7,
+                                       pool_dot=False)
+    got, aux = pa.decode_reference(dq, *args[1:5], mass="block", chunk_pages=chunk_pages,
+                                   pool_dot=pool_dot)
     assert_close(got, one, np.float32, "decode out")
     assert_close(aux.mass, one_aux.mass, np.float32, "block mass")
