@@ -1,0 +1,287 @@
+"""Benchmark: release one tenant of a metadata-only Qwen2.5-72B-scale state.
+
+    python -m experiments.bench_reclaim --json [--out=results/bench_reclaim.json]
+
+Builds (vectorised, `kvquota.builder`) a metadata-only state: 2^20 blocks of 16 tokens,
+8,192 sequences over 64 tenants, each tenant's sequences sharing a system-prompt prefix and 16
+tenants in 4 sharing groups. Releases one private tenant (~1/64 of the pool) with the jitted,
+donating core, and the same release with a straightforward per-block Python loop (the way a
+Python block pool frees: walk the tenant's tables, decrement, push to a free list) on the same
+data; checks that both end in the same state; reports their times and ratio, the time for a
+tenant whose shared prefix passes to an heir, and the jitted time at 2^16, 2^18 and 2^20 blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from configs.models import get_model_config
+from kvquota import _ops
+from kvquota.allocator import Allocator
+from kvquota.builder import SyntheticSpec, build_state
+from kvquota.state import StateConfig
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("json", False, "Print the results as one JSON object.")
+flags.DEFINE_string("out", "", "Also write the JSON to this path.")
+flags.DEFINE_integer("log2_blocks", 20, "Pool size of the headline point, as a power of two.")
+flags.DEFINE_list("scaling", ["16", "18", "20"], "log2 pool sizes of the scaling sweep.")
+flags.DEFINE_integer("repeats", 24, "Private tenants released in turn (median reported).")
+flags.DEFINE_integer("seed", 0, "Seed of the synthetic state.")
+
+MODEL = "qwen2.5-72b"
+BLOCK_SIZE = 16
+TENANTS = 64
+BLOCKS_PER_SEQ = 128  # 2^20 blocks / 8,192 sequences
+PRIVATE_TENANT = TENANTS - 1  # outside every sharing group
+SHARED_TENANT = 0  # creator (payer) of group 0's prefix
+
+
+def setup(log2_blocks: int, seed: int):
+    blocks = 1 << log2_blocks
+    config = StateConfig(
+        get_model_config(MODEL), num_blocks=blocks, block_size=BLOCK_SIZE,
+        max_seqs=blocks // BLOCKS_PER_SEQ, max_blocks_per_seq=2 * BLOCKS_PER_SEQ,
+        num_tenants=TENANTS, kv_format="bf16", with_pages=False,
+    )
+    spec = SyntheticSpec(num_seqs=config.max_seqs, prefix_blocks=4, group_size=4, num_groups=4,
+                         pool_fill=0.9, seed=seed)
+    return config, build_state(config, spec)
+
+
+def _copy(state):
+    return jax.tree_util.tree_map(jnp.copy, state)
+
+
+def jitted_chain(config, state, tenants, warmup_tenant):
+    """Release `tenants` one after another with the jitted donating core, each on the state the
+    previous release returned (the steady state of a serving loop: buffers produced by earlier
+    donated ops). Returns per-tenant seconds (plan computed outside the timing), the final state
+    and the reports. One untimed release of `warmup_tenant` compiles and primes the buffers."""
+    alloc = Allocator(config)
+    x = _copy(state)
+    seconds, reports = [], []
+    for i, t in enumerate([warmup_tenant] + list(tenants)):
+        _, rows, heirs, slots = alloc.release_plan(x, t)
+        jax.block_until_ready(x)
+        t0 = time.perf_counter()
+        x, rep = _ops.drop_donated_jit(config, x, rows, heirs, None, slots)
+        jax.block_until_ready((x, rep))
+        if i:
+            seconds.append(time.perf_counter() - t0)
+            reports.append(rep)
+    return seconds, x, reports
+
+
+def facade_seconds(config, state, tenant):
+    """The public `release_tenant_donated` end to end (host-side plan and checks included)."""
+    alloc = Allocator(config)
+    x = _copy(state)
+    x, _ = alloc.release_tenant_donated(x, tenant)  # compile / warm
+    t0 = time.perf_counter()
+    jax.block_until_ready(alloc.release_tenant_donated(x, tenant - 1))
+    return time.perf_counter() - t0
+
+
+class PythonPool:
+    """A straightforward Python block pool over the same data (lists, a hash dict, a free list):
+    release walks the tenant's tables entry by entry, decrements, and pushes to the free list."""
+
+    def __init__(self, config, host):
+        self.p = config.block_size
+        self.ref = host.ref_count.tolist()
+        self.payer_refs = host.payer_refs.tolist()
+        self.payer = host.payer.tolist()
+        self.pin = host.pin_count.tolist()
+        self.fill = host.fill.tolist()
+        self.generation = host.generation.tolist()
+        self.charged = host.charged_blocks[:, 0].tolist()
+        self.used = host.used_tokens.tolist()
+        self.seq_tenant = host.seq_tenant.tolist()
+        self.seq_lens = host.seq_lens.tolist()
+        self.salt = host.salt.tolist()
+        self.tables = host.block_tables.tolist()
+        self.free_list = host.free_list[: int(host.free_count[0])].tolist()
+        ids = np.flatnonzero(host.hashed)
+        h = host.block_hash[ids]
+        self.block_key = dict(zip(ids.tolist(), zip(h[:, 0].tolist(), h[:, 1].tolist())))
+        self.cache = {k: b for b, k in self.block_key.items()}
+        self.seqs_of = {}
+        for s, t in enumerate(self.seq_tenant):
+            if t >= 0:
+                self.seqs_of.setdefault(t, []).append(s)
+
+    def release(self, tenant):
+        p, ref, payer, payer_refs = self.p, self.ref, self.payer, self.payer_refs
+        orphans = []
+        for s in self.seqs_of.pop(tenant, []):
+            row = self.tables[s]
+            for k in range((self.seq_lens[s] + p - 1) // p):
+                b = row[k]
+                ref[b] -= 1
+                if payer[b] == tenant:
+                    payer_refs[b] -= 1
+                if ref[b] == 0 and self.pin[b] == 0:
+                    self.free_list.append(b)
+                    self.charged[payer[b]] -= 1
+                    payer[b], payer_refs[b], self.fill[b] = -1, 0, 0
+                    self.generation[b] += 1
+                    key = self.block_key.pop(b, None)
+                    if key is not None and self.cache.get(key) == b:
+                        del self.cache[key]
+                elif self.pin[b] == 0 and payer_refs[b] == 0 and payer[b] == tenant:
+                    orphans.append(b)
+                row[k] = -1
+            self.used[tenant] -= self.seq_lens[s]
+            self.seq_lens[s], self.seq_tenant[s] = 0, -1
+        if orphans:  # pass charges on: lowest-id remaining referencer among same-salt tenants
+            want = set(orphans)
+            heir, heir_refs = {}, {}
+            for owner, seqs in self.seqs_of.items():
+                if self.salt[owner] != self.salt[tenant]:
+                    continue
+                for s in seqs:
+                    for b in self.tables[s][: (self.seq_lens[s] + p - 1) // p]:
+                        if b in want:
+                            if b not in heir or owner < heir[b]:
+                                heir[b], heir_refs[b] = owner, 0
+                            if owner == heir[b]:
+                                heir_refs[b] += 1
+            for b in orphans:
+                self.charged[tenant] -= 1
+                self.charged[heir[b]] += 1
+                payer[b], payer_refs[b] = heir[b], heir_refs[b]
+
+
+def loop_chain(config, host, tenants, warmup_tenant):
+    pool = PythonPool(config, host)
+    pool.release(warmup_tenant)
+    seconds = []
+    for t in tenants:
+        t0 = time.perf_counter()
+        pool.release(t)
+        seconds.append(time.perf_counter() - t0)
+    return seconds, dict(ref=pool.ref, payer=pool.payer, payer_refs=pool.payer_refs,
+                         free=sorted(pool.free_list), charged=pool.charged, used=pool.used)
+
+
+def same_result(jitted_state, loop):
+    s = jax.device_get(jitted_state)
+    free = np.sort(s.free_list[: int(s.free_count[0])]).tolist()
+    return (
+        s.ref_count.tolist() == loop["ref"]
+        and s.payer.tolist() == loop["payer"]
+        and s.payer_refs.tolist() == loop["payer_refs"]
+        and free == loop["free"]
+        and s.charged_blocks[:, 0].tolist() == loop["charged"]
+        and s.used_tokens.tolist() == loop["used"]
+    )
+
+
+def run(log2_blocks, scaling, repeats, seed) -> dict:
+    config, state = setup(log2_blocks, seed)
+    host = jax.device_get(state)
+    logging.info("built %d blocks, %d sequences", config.num_blocks, config.max_seqs)
+    # Private tenants (no sharing group) released in turn; then the 4 group-prefix creators,
+    # whose shared prefix blocks pass to an heir.
+    private = list(range(PRIVATE_TENANT - 1, PRIVATE_TENANT - 1 - repeats, -1))
+    creators = [0, 4, 8, 12]
+    tenants = private + creators
+    jit_s, final, reports = jitted_chain(config, state, tenants, PRIVATE_TENANT)
+    loop_s, loop = loop_chain(config, host, tenants, PRIVATE_TENANT)
+    match = same_result(final, loop)
+    n = len(private)
+    med = statistics.median
+    first = reports[0]
+    returned = [int(np.asarray(r.blocks_returned).sum()) for r in reports[:n]]
+    result = {
+        "blocks": config.num_blocks,
+        "seconds": med(jit_s[:n]),
+        "loop_seconds": med(loop_s[:n]),
+        "speedup": med(loop_s[:n]) / med(jit_s[:n]),
+        "results_match": bool(match),
+        "seconds_all": jit_s[:n],
+        "loop_seconds_all": loop_s[:n],
+        "facade_seconds": facade_seconds(config, state, PRIVATE_TENANT),
+        "released": {
+            "tenants": private,
+            "sequences_per_tenant": config.max_seqs // TENANTS,
+            "median_blocks_returned": med(returned),
+            "median_fraction_of_pool": med(returned) / config.num_blocks,
+            "first_pool_bytes_returned": first.pool_bytes_returned,
+            "first_quota_bytes_released": first.quota_bytes_released,
+        },
+        "shared_prefix_release": {
+            "tenants": creators,
+            "seconds": med(jit_s[n:]),
+            "loop_seconds": med(loop_s[n:]),
+            "speedup": med(loop_s[n:]) / med(jit_s[n:]),
+            "transferred_blocks": [int(r.transferred_blocks) for r in reports[n:]],
+            "pool_bytes_returned": [r.pool_bytes_returned for r in reports[n:]],
+            "quota_bytes_released": [r.quota_bytes_released for r in reports[n:]],
+        },
+        "scaling": [],
+        "timing": "median over releases of different tenants, each on the state returned by the "
+                  "previous donated release (steady state); one untimed warm-up release; the "
+                  "Python loop runs the same releases in the same order on Python lists",
+        "setup": {
+            "model": MODEL, "block_size": BLOCK_SIZE, "bytes_per_block": config.pool_bytes[0],
+            "sequences": config.max_seqs, "tenants": TENANTS, "max_blocks_per_seq":
+            config.max_blocks_per_seq, "prefix_blocks": 4, "sharing_groups": "4 x 4 tenants",
+            "pool_fill": 0.9, "metadata_only": True, "seed": seed,
+        },
+    }
+    del state, final
+    for lg in scaling:
+        if lg == log2_blocks:
+            result["scaling"].append({"blocks": config.num_blocks, "sequences": config.max_seqs,
+                                      "seconds": result["seconds"]})
+            continue
+        c2, s2 = setup(lg, seed)
+        t2, _, _ = jitted_chain(c2, s2, private, PRIVATE_TENANT)
+        result["scaling"].append({"blocks": c2.num_blocks, "sequences": c2.max_seqs,
+                                  "seconds": med(t2)})
+        logging.info("scaling 2^%d: %.3f ms", lg, med(t2) * 1e3)
+    result["scaling"].sort(key=lambda r: r["blocks"])
+    return result
+
+
+def main(argv):
+    del argv
+    scaling = sorted(int(x) for x in FLAGS.scaling)
+    result = run(FLAGS.log2_blocks, scaling, FLAGS.repeats, FLAGS.seed)
+    flags_used = [f"--{name}={FLAGS[name].value}" for name in ("log2_blocks", "repeats", "seed")]
+    result["command"] = "python -m experiments.bench_reclaim " + " ".join(sys.argv[1:])
+    result["resolved_flags"] = flags_used + [f"--scaling={','.join(map(str, scaling))}"]
+    result["versions"] = {"python": platform.python_version(), "jax": jax.__version__,
+                          "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+                          "numpy": np.__version__}
+    result["device"] = {"platform": jax.default_backend(),
+                        "kind": jax.devices()[0].device_kind, "machine": platform.machine(),
+                        "processor": platform.processor() or platform.machine(),
+                        "cpu_count": os.cpu_count(),
+                        "load_average_1_5_15min": list(os.getloadavg())}
+    result["timestamp_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    text = json.dumps(result, indent=2)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            f.write(text + "\n")
+    if FLAGS.json:
+        print(text)
+    else:
+        print(f"release of 1 tenant at {result['blocks']} blocks: jitted {result['seconds']*1e3:.3f} ms, "
+              f"loop {result['loop_seconds']*1e3:.3f} ms, speedup {result['speedup']:.1f}x")
+
+
+if __name__ == "__main__":
+    app.run(main)
