@@ -33,3 +33,45 @@ from kvquota.weights import (
     load_smollm2,
     save_safetensors,
 )
+
+# Functional paged KV state: config, pytree, validating ops, ledger, invariants (issue #3).
+from kvquota._reports import (
+    AdmitReport,
+    AppendReport,
+    ForkReport,
+    FreeReport,
+    Ledger,
+    PinReport,
+    TenantReport,
+)
+from kvquota.allocator import Allocator
+from kvquota.builder import SyntheticSpec, build_state
+from kvquota.errors import (
+    BlockStateError,
+    DoubleFreeError,
+    DuplicateIdError,
+    InputDtypeError,
+    InputShapeError,
+    InvariantError,
+    KVQuotaError,
+    QuotaValueError,
+    SequenceTooLongError,
+    StateMismatchError,
+    TenantExistsError,
+    TokenIdError,
+    UnknownSequenceError,
+    UnknownTenantError,
+)
+from kvquota.invariants import check_invariants
+from kvquota.state import (
+    REASONS,
+    SEQ_FREE,
+    SEQ_PREEMPTED,
+    SEQ_RUNNING,
+    SEQ_SUSPENDED,
+    TIER_DEVICE,
+    TIER_HOST,
+    KVState,
+    StateConfig,
+    init_state,
+)
