@@ -45,6 +45,9 @@ flags.DEFINE_string("gpu_model", "qwen2.5-7b", "Model preset for the GPU part.")
 flags.DEFINE_integer("gpu_batch", 32, "GPU batch.")
 flags.DEFINE_integer("gpu_context", 32768, "GPU context (tokens per sequence).")
 flags.DEFINE_float("peak_tb_s", 4.8, "Nominal HBM bandwidth (TB/s) of the device (H200: 4.8).")
+flags.DEFINE_bool("gpu_sweep", True, "Also time a small grid of kernel knobs on GPU.")
+flags.DEFINE_bool("gpu_dry_run", False, "Run the GPU part here with Pallas interpreted (checks "
+                  "the code path off GPU; use small --gpu_batch/--gpu_context; numbers mean nothing).")
 
 
 def _median_ms(fn, *args, repeats):
@@ -141,6 +144,10 @@ def quant_error(cfg, rng) -> dict:
     return out
 
 
+def backend_name() -> str:
+    return jax.default_backend()
+
+
 def gpu_part() -> dict:
     from jax.experimental.pallas.ops.gpu import paged_attention as peer
 
@@ -166,8 +173,11 @@ def gpu_part() -> dict:
     copy_ms = _median_ms(jax.jit(lambda x: -x), buf, repeats=FLAGS.repeats)
     copy_tb_s = 2 * buf.nbytes / (copy_ms * 1e-3) / 1e12
 
-    ours = jax.jit(lambda q, k, v, t, l: pallas_kernel.decode_pallas(q, k, v, t, l)[0])
-    theirs = jax.jit(lambda q, k, v, t, l: peer.paged_attention(q * scale, k, v, t, l))
+    interp = FLAGS.gpu_dry_run and backend_name() != "gpu"
+    ours = jax.jit(lambda q, k, v, t, l: pallas_kernel.decode_pallas(
+        q, k, v, t, l, interpret=interp)[0])
+    theirs = jax.jit(lambda q, k, v, t, l: peer.paged_attention(
+        q * scale, k, v, t, l, interpret=interp))
     kq8, vq8 = quantize_kv(k, v, "int8")
     int8_bytes = kq8.nbytes + vq8.nbytes  # every page of the pool is read once
     ms = _side_by_side(
@@ -186,6 +196,19 @@ def gpu_part() -> dict:
         return dict(ms=t_ms, bytes=nbytes, tb_s=tb_s, of_copy=tb_s / copy_tb_s,
                     of_peak=tb_s / FLAGS.peak_tb_s)
 
+    sweep = []
+    if FLAGS.gpu_sweep:
+        for ppb in (4, 8):
+            for splits in (2, 4, 8):
+                for warps in (4, 8):
+                    knobs = dict(pages_per_block=ppb, k_splits=splits, num_warps=warps)
+                    fn = jax.jit(lambda q, k, v, t, l, kn=knobs: pallas_kernel.decode_pallas(
+                        q, k, v, t, l, interpret=interp, **kn)[0])
+                    try:
+                        t_ms = _median_ms(fn, q, k, v, tables, lengths, repeats=10)
+                        sweep.append(dict(knobs, **rate(kv_bytes, t_ms)))
+                    except Exception as e:  # a failed configuration is data, not a crash
+                        sweep.append(dict(knobs, error=f"{type(e).__name__}: {e}"[:300]))
     result = dict(
         model=cfg.name, batch=b, context=ctx, q_heads=hq, kv_heads=hkv, head_dim=d,
         page_size=page, dtype="bfloat16", copy=dict(ms=copy_ms, tb_s=copy_tb_s),
@@ -193,6 +216,7 @@ def gpu_part() -> dict:
         ours_int8=rate(int8_bytes, ms["ours_int8"]),
         speedup_vs_peer=ms["peer_bf16"] / ms["ours_bf16"],
         int8_speedup_vs_bf16=ms["ours_bf16"] / ms["ours_int8"], max_abs_diff_vs_reference=check,
+        knob_sweep=sweep,
     )
     print(f"[gpu] copy {copy_tb_s:.2f} TB/s; ours {result['ours_bf16']['tb_s']:.2f} TB/s "
           f"({result['ours_bf16']['of_copy']:.0%} of copy); peer "
@@ -215,8 +239,9 @@ def main(argv):
     )
     if not FLAGS.skip_cpu:
         record["cpu"] = cpu_part()
-    if backend == "gpu" and not FLAGS.skip_gpu:
+    if (backend == "gpu" or FLAGS.gpu_dry_run) and not FLAGS.skip_gpu:
         record["gpu"] = gpu_part()
+        record["gpu"]["dry_run"] = backend != "gpu"
     else:
         record["gpu"] = None if FLAGS.skip_gpu else f"skipped: no GPU (backend {backend})"
     text = json.dumps(record, indent=2)

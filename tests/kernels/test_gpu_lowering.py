@@ -34,9 +34,12 @@ def _shapes(batch=2, t=None, q_heads=28, kv_heads=4, d=128, page=16, blocks=64, 
             jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_decode_with_mass_lowers_to_triton(dtype):
-    q, pages, tables, lengths = _shapes(dtype=dtype)
+@pytest.mark.parametrize("dtype,batch,blocks,cols", [
+    (jnp.bfloat16, 2, 64, 16),
+    (jnp.float32, 3, 50, 13),  # nothing a power of two but the block dims
+])
+def test_decode_with_mass_lowers_to_triton(dtype, batch, blocks, cols):
+    q, pages, tables, lengths = _shapes(dtype=dtype, batch=batch, blocks=blocks, cols=cols)
     text = _lower_for_cuda(
         lambda q, k, v, t, l: pk.decode_pallas(q, k, v, t, l, mass="block"),
         q, pages, pages, tables, lengths)
