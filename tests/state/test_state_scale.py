@@ -1,0 +1,98 @@
+"""The vectorised builder and the release at scale (metadata-only Qwen2.5-72B layout), checked
+against check_invariants and against the benchmark's straightforward per-block Python pool."""
+
+import jax
+import numpy as np
+import pytest
+
+from configs.models import get_model_config
+from experiments.bench_reclaim import PythonPool, same_result
+from kvquota.allocator import Allocator
+from kvquota.builder import SyntheticSpec, build_state
+from kvquota.state import StateConfig
+from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts
+
+QWEN72 = get_model_config("qwen2.5-72b")
+
+
+def _config(blocks, seqs, tenants=16, mb=64):
+    return StateConfig(QWEN72, num_blocks=blocks, block_size=16, max_seqs=seqs,
+                       max_blocks_per_seq=mb, num_tenants=tenants, with_pages=False,
+                       compressed_pools=(("kivi2", 64),), host_blocks=64)
+
+
+def test_builder_state_is_consistent_and_release_matches_python_pool():
+    config = _config(1 << 14, 256)
+    state = build_state(config, SyntheticSpec(num_seqs=256, num_groups=2, group_size=4,
+                                              pin_prefixes=True, seed=3))
+    alloc = Allocator(config)
+    alloc.check(state)
+    led = alloc.ledger(state)
+    # Charges add up to the pool's watermark, in exact bytes (a 72B block is 5 MiB).
+    held = config.num_blocks - int(state.free_count[0])
+    assert int(led.charged_bytes.sum()) == held * config.pool_bytes[0]
+    pool = PythonPool(config, jax.device_get(state))
+    for tenant in (15, 0):  # a private tenant, then a group's prefix creator
+        state, rep = alloc.release_tenant(state, tenant)
+        alloc.check(state)
+        pool.release(tenant)
+        loop = dict(ref=pool.ref, payer=pool.payer, payer_refs=pool.payer_refs,
+                    free=sorted(pool.free_list), charged=pool.charged, used=pool.used)
+        assert same_result(state, loop)
+    # The creator's prefix was pinned: its blocks stay charged to it (no unpin asked).
+    assert int(state.pinned_blocks[0].sum()) == 4
+    state, rep = alloc.release_tenant(state, 0, unpin=True)
+    alloc.check(state)
+    assert int(rep.unpinned_blocks) == 4 and int(state.charged_blocks[0].sum()) == 0
+
+
+def test_donated_ops_match_plain_ops():
+    alloc, s = fresh(tenants=((100, 8 * BLOCK, 1), (100, 8 * BLOCK, 1)))
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5]), (1, [6, 7, 8])]))
+    steps = [
+        ("fork", lambda a, x, d: a.fork(x, [0], donate=d)),
+        ("pin_prefix", lambda a, x, d: a.pin_prefix(x, 0, 2, donate=d)),
+        ("unpin_blocks", lambda a, x, d: a.unpin_blocks(x, [0], donate=d)),
+        ("set_quota", lambda a, x, d: a.set_quota(x, 1, token_quota=3, donate=d)),
+        ("set_lease", lambda a, x, d: a.set_lease(x, 1, 7, donate=d)),
+        ("free", lambda a, x, d: a.free(x, [1], donate=d)),
+        ("release", lambda a, x, d: a.release_tenant(x, 0, unpin=True, donate=d)),
+    ]
+    for name, op in steps:
+        want_s, want_r = op(alloc, s, False)
+        got_s, got_r = op(alloc, jax.tree_util.tree_map(lambda v: v.copy(), s), True)
+        alloc.check(got_s)
+        assert leaves_equal(want_s, got_s), name
+        assert leaves_equal(want_r, got_r), name
+        s = want_s
+
+
+def test_quota_cut_and_lease():
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5])]))  # 5 tokens, 3 blocks
+    s, rep = alloc.set_quota(s, 0, token_quota=2, byte_quota=BLOCK + 1)
+    alloc.check(s)
+    # Cut below usage: 5 - 2 tokens over, 3 - 1 blocks over (the odd byte rounds down).
+    assert int(rep.tokens_over) == 3 and rep.bytes_over == 2 * BLOCK
+    s2, r = alloc.append(s, [0, -1], [9, 0])
+    assert int(r.reason[0]) == 1  # REFUSED_TOKEN_QUOTA: nothing new while over quota
+    s, _ = alloc.set_lease(s, 0, 10)
+    assert alloc.expired_tenants(s, 9).tolist() == [] and alloc.expired_tenants(s, 10).tolist() == [0]
+    for t in alloc.expired_tenants(s, 10):
+        s, r = alloc.release_tenant(s, int(t))
+    alloc.check(s)
+    assert r.pool_bytes_returned == 3 * BLOCK
+
+
+@pytest.mark.slow
+def test_builder_at_2_20_blocks():
+    config = _config(1 << 20, 8192, tenants=64, mb=256)
+    state = build_state(config, SyntheticSpec(num_seqs=8192, num_groups=4, group_size=4))
+    Allocator(config).check(state)
+    assert int(state.free_count[0]) >= config.num_blocks // 10 - 1
+
+
+def test_tiny_config_bytes():
+    # The numbers the hand-checked tests rely on.
+    assert TINY.pool_bytes == (1024, 288, 1024) and TINY.unit_bytes == 32
+    assert np.asarray(TINY.pool_units).tolist() == [32, 9, 32]
