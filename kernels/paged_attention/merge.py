@@ -33,10 +33,10 @@ def merge_attention(
     lse = jnp.stack([l.astype(jnp.float32) for l in lses])  # [n, ...]
     top = jnp.max(lse, axis=0)
     top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lse - top_safe)  # parts with lse = -inf weigh 0
+    w = jnp.exp(lse - top_safe[None])  # parts with lse = -inf weigh 0
     total = jnp.sum(w, axis=0)
     has = total > 0
-    norm = jnp.where(has, w / jnp.where(has, total, 1.0), 0.0)  # [n, ...]
+    norm = jnp.where(has[None], w / jnp.where(has, total, 1.0)[None], 0.0)  # [n, ...]
     # where, not a product, keeps a NaN of an empty part (which has weight 0) out of the result
     out = sum(
         jnp.where(norm[i][..., None] > 0, norm[i][..., None] * o.astype(jnp.float32), 0.0)
