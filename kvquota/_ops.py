@@ -239,7 +239,6 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
     tcol = jnp.broadcast_to(tc[:, None], (b, mb))
     entry = _oob(rows, rows >= 0, nb)
     new_ids = _oob(rows, is_new, nb)
-    hit_ids = _oob(rows, is_hit & ok[:, None], nb)
     hit_own = state.payer[_clip(rows)] == tcol
     prev = jnp.pad(rows[:, :-1], ((0, 0), (1, 0)), constant_values=INVALID)
     fill = jnp.clip(lengths[:, None] - kk * p, 0, p)
@@ -275,7 +274,6 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         charged_blocks=s.charged_blocks.at[_oob(tc, ok, config.num_tenants), 0].add(
             nnew, mode="drop"),
     )
-    del hit_ids
     report = AdmitReport(
         admitted=ok,
         reason=reason,
@@ -420,14 +418,14 @@ def _after(index, *reads):
 
     An in-place scatter must run after every read of the array's old value. Unless the scatter's
     indices depend on those reads, XLA cannot order them and its copy insertion protects the
-    reads by copying the whole (NB-sized) array, which defeats donation. The dependency is a
-    condition that always holds (no value read here is INT32_MIN) but that XLA cannot fold.
+    reads by copying the whole (NB-sized) array, which defeats donation. The dependency is the
+    condition min(x) <= max(x): true for any integer or bool array, but not foldable by XLA.
     (`lax.optimization_barrier` does not help: XLA:CPU expands it before copy insertion.)
     """
     ok = jnp.bool_(True)
     for x in jax.tree_util.tree_leaves(reads):
         if x.size:
-            ok = ok & (jnp.min(x.astype(jnp.int32)) > jnp.iinfo(jnp.int32).min)
+            ok = ok & (jnp.min(x) <= jnp.max(x))
     return jnp.where(ok, index, jnp.iinfo(jnp.int32).max)
 
 

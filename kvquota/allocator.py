@@ -14,7 +14,7 @@ of two, so the jitted core works on O(rows x MB) entries and compiles once per s
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import numpy as np
