@@ -96,3 +96,31 @@ def test_tiny_config_bytes():
     # The numbers the hand-checked tests rely on.
     assert TINY.pool_bytes == (1024, 288, 1024) and TINY.unit_bytes == 32
     assert np.asarray(TINY.pool_units).tolist() == [32, 9, 32]
+
+
+def test_donated_cores_update_in_place():
+    """No whole-array copy of a per-block array or of the block table in the compiled donated
+    cores (what makes a serving step or a release cost O(rows touched), not O(pool)). Fork still
+    copies the [S, MB] table once (it is not on the per-step path)."""
+    import re
+
+    from kvquota import _ops
+
+    config = StateConfig(get_model_config("tiny-qwen"), num_blocks=4093, block_size=4,
+                         max_seqs=37, max_blocks_per_seq=29, num_tenants=5, with_pages=False)
+    state = build_state(config, SyntheticSpec(num_seqs=30, num_groups=1, group_size=2,
+                                              pool_fill=0.4, pin_prefixes=True))
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    calls = {
+        "admit": (_ops.admit_donated_jit, (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
+        "append": (_ops.append_donated_jit, (i32([0, 1]), i32([3, 4]))),
+        "pin": (_ops.pin_donated_jit, (i32([0, 1]),)),
+        "unpin": (_ops.unpin_donated_jit, (i32([0, 1]), i32([2, 3]))),
+        "free": (_ops.drop_donated_jit, (i32([0, 1]), i32([2, 3]), None, 0)),
+        "release_unpin": (_ops.drop_donated_jit, (i32([0, 1]), None, np.int32(0), 4)),
+    }
+    big = re.compile(r"= \w+\[(%d|37,29)[\],].*\bcopy\(" % config.total_blocks)
+    for name, (fn, args) in calls.items():
+        text = fn.lower(config, state, *args).compile().as_text()
+        copies = [line.strip() for line in text.splitlines() if big.search(line)]
+        assert not copies, (name, copies[:3])
