@@ -5,11 +5,16 @@ through `paged_attention_rows`: queries are "rows" `[Hkv, B, R, D]` (R = T * gro
 r = t * group + h), each with a cache position (or -1 for a padding row); a row attends to the
 cached keys at positions `<= its own` and `< length`.
 
-Why it is shaped this way (it is on the model's hot path on CPU):
-  * K and V pages are gathered with one `take` each, page-contiguous (`[Hkv, B, M*P, D]` is a free
-    reshape of the gathered `[Hkv, B, M, P, D]`), and the V mask is fused into that gather;
-  * the two contractions batch over the leading (Hkv, B) axes of both operands, so XLA needs no
-    transposes around the dots;
+Why it is shaped this way (it is on the model's hot path on CPU, measured in
+experiments/bench_attention.py):
+  * the table is walked in cache-sized chunks of columns with the online softmax of flash
+    attention: one big gathered copy of K and V costs more on CPU than the attention itself
+    (fresh buffers), a small reused chunk does not; the walk stops at the last visible chunk;
+  * at small batch (few query rows), when the pool is about the size of the tables, the logits
+    come from one dot over the whole pool and a gather of logits, never of K;
+  * each chunk is gathered with one `take` per array, page-contiguous (`[Hkv, B, C, D]` is a free
+    reshape of the gathered `[Hkv, B, c, P, D]`), with the V mask fused into that gather; both
+    contractions batch over the leading (Hkv, B) axes, so XLA adds no transposes;
   * masking is by `where` on the logits and on V before the value product: unused slots may hold
     NaN (another tenant's stale data), and 0 * NaN would leak through a multiplicative mask.
 """
