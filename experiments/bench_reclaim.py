@@ -32,12 +32,18 @@ from kvquota.builder import SyntheticSpec, build_state
 from kvquota.state import StateConfig
 
 FLAGS = flags.FLAGS
-flags.DEFINE_bool("json", False, "Print the results as one JSON object.")
-flags.DEFINE_string("out", "", "Also write the JSON to this path.")
-flags.DEFINE_integer("log2_blocks", 20, "Pool size of the headline point, as a power of two.")
-flags.DEFINE_list("scaling", ["16", "18", "20"], "log2 pool sizes of the scaling sweep.")
-flags.DEFINE_integer("repeats", 24, "Private tenants released in turn (median reported).")
-flags.DEFINE_integer("seed", 0, "Seed of the synthetic state.")
+
+
+def _define_flags():
+    """Flags are defined only when run as a program, so tests can import this module beside
+    other experiments that define flags of the same names (absl forbids duplicates)."""
+    flags.DEFINE_bool("json", False, "Print the results as one JSON object.")
+    flags.DEFINE_string("out", "", "Also write the JSON to this path.")
+    flags.DEFINE_integer("log2_blocks", 20, "Pool size of the headline point, as a power of two.")
+    flags.DEFINE_list("scaling", ["16", "18", "20"], "log2 pool sizes of the scaling sweep.")
+    flags.DEFINE_integer("repeats", 24, "Private tenants released in turn (median reported).")
+    flags.DEFINE_integer("seed", 0, "Seed of the synthetic state.")
+
 
 MODEL = "qwen2.5-72b"
 BLOCK_SIZE = 16
@@ -284,4 +290,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
