@@ -78,6 +78,19 @@ class KVStateMachine(RuleBasedStateMachine):
         self.state, rep = call()
         assert int(rep.tokens_over) == max(used - tq, 0)
 
+    @rule(t=st.integers(-1, T), lease=st.integers(-1, 50), donate=st.booleans())
+    def set_lease(self, t, lease, donate):
+        call = lambda: ALLOC.set_lease(self.state, t, lease, donate=donate)  # noqa: E731
+        if t not in self.registered:
+            self._expect_error(E.UnknownTenantError, call)
+            return
+        if lease < 0:
+            self._expect_error(E.QuotaValueError, call)
+            return
+        self.state, _ = call()
+        assert int(self.state.lease_expiry[t]) == lease
+        assert t in ALLOC.expired_tenants(self.state, lease).tolist()
+
     # ---- sequences -----------------------------------------------------------------------
     @rule(rows=st.lists(st.tuples(st.one_of(tenant_st, st.just(INVALID)), prompt_st),
                         min_size=1, max_size=2), donate=st.booleans())
@@ -144,6 +157,17 @@ class KVStateMachine(RuleBasedStateMachine):
             self._expect_error(E.BlockStateError, call)
             return
         self.state, _ = call()
+
+    @rule(block=st.integers(0, TINY.total_blocks - 1), donate=st.booleans())
+    def pin_block(self, block, donate):
+        call = lambda: ALLOC.pin_blocks(self.state, [block, INVALID], donate=donate)  # noqa: E731
+        held = int(self.state.ref_count[block]) > 0 or int(self.state.pin_count[block]) > 0
+        if not held:  # pinning a free block is an error
+            self._expect_error(E.BlockStateError, call)
+            return
+        pins = int(self.state.pin_count[block])
+        self.state, rep = call()
+        assert int(rep.pin_count[0]) == pins + 1
 
     @rule(block=st.integers(0, TINY.total_blocks - 1), pick_pinned=st.booleans(), donate=st.booleans())
     def unpin(self, block, pick_pinned, donate):
