@@ -10,13 +10,15 @@ one offset per row) and the same chunk size:
     with its validation, then the model; dense: the model) over --decode_steps steps after a
     warm-up step -> tokens/s = batch / step time.
 `ratio` = paged time / dense time (goal for decode: <= 1.25). Written to --out (default
-results/bench_model.json) with the command, versions and device. Not a test: numbers depend on the
-machine and its load.
+results/bench_model.json) with the command, versions, device and the 1-minute load average at
+each point. Not a test: numbers depend on the machine and its load (decode steps of the two
+caches alternate, and each reports its median, so a busy neighbour hurts both alike).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -60,54 +62,61 @@ def _timed(fn):
 
 def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
                 kv_format: str) -> dict:
-    """One (batch, context) point: prefill and decode, dense then paged."""
+    """One (batch, context) point: prefill and decode on both caches.
+
+    The machine may be shared, so decode steps alternate dense / paged and each side reports
+    its median step; prefill is one timed run per side (after a one-chunk warm-up).
+    """
     import jax.numpy as jnp
 
     b, ctx = len(prompts), len(prompts[0])
     capacity = ctx + steps + 2
     dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[kv_format]
-
-    # Dense: warm up (one chunk, one step) on the same shapes, then time.
-    warm = E.DenseEngine(config, params, capacity=capacity, chunk_size=chunk, cache_dtype=dtype)
-    warm.prefill(prompts, max_chunks=1)
-    warm.decode(np.arange(b), np.zeros(b, np.int32))
-    del warm
-    dense = E.DenseEngine(config, params, capacity=capacity, chunk_size=chunk, cache_dtype=dtype)
-    last, dense_prefill = _timed(lambda: dense.prefill(prompts))
-    tokens = last.argmax(-1).astype(np.int32)
-    dense.decode(np.arange(b), tokens)  # first step at this context (already compiled)
-    start = time.perf_counter()
-    for _ in range(steps):
-        tokens = np.asarray(dense.decode(np.arange(b), tokens)).argmax(-1).astype(np.int32)
-    dense_step = (time.perf_counter() - start) / steps
-    del dense
-
-    # Paged: a state just large enough, one tenant; same warm-up.
     per_seq = math.ceil(capacity / block)
     sc = StateConfig(model=config, num_blocks=b * per_seq, block_size=block, max_seqs=b,
                      max_blocks_per_seq=per_seq, num_tenants=1, kv_format=kv_format)
 
-    def new_engine():
+    def new_dense():
+        return E.DenseEngine(config, params, capacity=capacity, chunk_size=chunk,
+                             cache_dtype=dtype)
+
+    def new_paged():
         eng = E.PagedEngine(config, params, sc, chunk_size=chunk)
         eng.register_tenant(0, token_quota=2**31 - 1, byte_quota=eng.max_byte_quota)
         return eng
 
-    warm = new_engine()
+    # Warm-up (compiles) on the same shapes: one prefill chunk and one decode step each.
+    warm = new_dense()
+    warm.prefill(prompts, max_chunks=1)
+    warm.decode(np.arange(b), np.zeros(b, np.int32))
+    warm = new_paged()
     report = warm.reserve([0] * b, prompts)
     warm.prefill(report, prompts, max_chunks=1)
     warm.decode(report.seq_id.astype(np.int32), np.zeros(b, np.int32))
     del warm
-    paged = new_engine()
-    (report, last), paged_prefill = _timed(lambda: paged.admit([0] * b, prompts))
+
+    dense = new_dense()
+    last_d, dense_prefill = _timed(lambda: dense.prefill(prompts))
+    paged = new_paged()
+    (report, last_p), paged_prefill = _timed(lambda: paged.admit([0] * b, prompts))
     seq_ids = report.seq_id.astype(np.int32)
-    tokens = last.argmax(-1).astype(np.int32)
-    paged.decode(seq_ids, tokens)
-    start = time.perf_counter()
+
+    # Decode: greedy on each side from its own logits; the first step is untimed.
+    tok_d = last_d.argmax(-1).astype(np.int32)
+    tok_p = last_p.argmax(-1).astype(np.int32)
+    tok_d = np.asarray(dense.decode(np.arange(b), tok_d)).argmax(-1).astype(np.int32)
+    tok_p = np.asarray(paged.decode(seq_ids, tok_p)[1]).argmax(-1).astype(np.int32)
+    dense_steps, paged_steps = [], []
     for _ in range(steps):
-        _, logits = paged.decode(seq_ids, tokens)
-        tokens = np.asarray(logits).argmax(-1).astype(np.int32)
-    paged_step = (time.perf_counter() - start) / steps
-    del paged
+        start = time.perf_counter()
+        tok_d = np.asarray(dense.decode(np.arange(b), tok_d)).argmax(-1).astype(np.int32)
+        dense_steps.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        tok_p = np.asarray(paged.decode(seq_ids, tok_p)[1]).argmax(-1).astype(np.int32)
+        paged_steps.append(time.perf_counter() - start)
+    dense_step, paged_step = float(np.median(dense_steps)), float(np.median(paged_steps))
+    same_tokens = bool((tok_d == tok_p).all())
+    del dense, paged
 
     return {
         "batch": b,
@@ -119,6 +128,8 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
         "decode_tokens_per_s": {"dense": b / dense_step, "paged": b / paged_step},
         "decode_step_ms": {"dense": 1e3 * dense_step, "paged": 1e3 * paged_step,
                            "ratio": paged_step / dense_step},
+        "same_greedy_tokens": same_tokens,
+        "load_average_1min": os.getloadavg()[0],
     }
 
 
@@ -147,7 +158,7 @@ def run(batches, contexts, *, steps=8, chunk=512, block=16, kv_format="f32", log
         "decode_steps": steps,
         "attention_backend": "auto -> " + ("pallas" if device.platform == "gpu" else "reference"),
         "versions": {"python": platform.python_version(), "jax": jax.__version__,
-                     "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+                     "jaxlib": importlib.metadata.version("jaxlib"),
                      "flax": flax.__version__, "numpy": np.__version__},
         "device": {"platform": device.platform, "kind": device.device_kind,
                    "cpu_count": os.cpu_count(), "machine": platform.machine()},

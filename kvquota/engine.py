@@ -216,6 +216,12 @@ class _Engine:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         _check_prompts(self.config, prompts, max_new_tokens)
+        # The last sampled token is returned, never cached: max_new_tokens - 1 appends.
+        longest = max(len(p) for p in prompts) + max(max_new_tokens - 1, 0)
+        if longest > self._capacity:
+            raise ContextTooLongError(
+                f"a prompt plus {max_new_tokens} new tokens needs {longest} cache slots; "
+                f"this engine holds {self._capacity} per sequence")
         ids, cached, refused, last = self._prefill(prompts, tenants)
         b = len(prompts)
         out = [Generation([], "length", int(ids[i]), int(cached[i])) for i in range(b)]
@@ -310,6 +316,11 @@ class PagedEngine(_Engine):
     @property
     def state_config(self):
         return self.allocator.config
+
+    @property
+    def _capacity(self) -> int:
+        """Tokens one sequence can hold: its block table's width in tokens."""
+        return self.state_config.max_tokens_per_seq
 
     @property
     def max_byte_quota(self) -> int:
@@ -516,6 +527,10 @@ class DenseEngine(_Engine):
             jnp.asarray(real.astype(np.int32)), jnp.asarray(start[:, None]), last_only=True)
         self._lens = self._lens + real
         return logits
+
+    @property
+    def _capacity(self) -> int:
+        return self.capacity
 
     def _prefill(self, prompts, tenants):
         b = len(prompts)

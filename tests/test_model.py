@@ -224,3 +224,21 @@ def test_rope_uses_logical_positions():
     scaled, _ = apply({"params": params}, toks, pos * 2, cache, meta)
     np.testing.assert_allclose(np.asarray(base), np.asarray(shifted), rtol=0, atol=ATOL["float32"])
     assert np.abs(np.asarray(base) - np.asarray(scaled)).max() > 1e-3
+
+
+def test_generation_past_the_cache_capacity_is_refused_up_front():
+    """A prompt plus max_new_tokens that cannot fit the block table (or the dense capacity)
+    raises before anything is admitted, instead of failing mid-generation."""
+    config = get_model_config("tiny-qwen")
+    params = M.init_params(config, seed=0)
+    sc = StateConfig(model=config, num_blocks=8, block_size=8, max_seqs=2,
+                     max_blocks_per_seq=4, num_tenants=1, kv_format="f32")
+    eng = E.PagedEngine(config, params, sc, chunk_size=16)
+    eng.register_tenant(0, token_quota=100, byte_quota=eng.max_byte_quota)
+    with pytest.raises(M.ContextTooLongError, match="holds 32 per sequence"):
+        eng.generate([[1] * 30], 4, tenants=[0])  # 30 + 3 appended > 32
+    assert int(np.asarray(eng.state.seq_status).sum()) == 0  # nothing admitted
+    with pytest.raises(M.ContextTooLongError, match="holds 16 per sequence"):
+        E.DenseEngine(config, params, capacity=16).generate([[1] * 10], 8)
+    # Exactly full is fine: 29 + 3 appended = 32 slots (the 4th token is only sampled).
+    assert len(eng.generate([[1] * 29], 4, tenants=[0])[0].tokens) == 4
