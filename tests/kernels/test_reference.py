@@ -217,3 +217,40 @@ def test_chunked_walk_equals_one_pass(chunk_pages, pool_dot):
                                    pool_dot=pool_dot)
     assert_close(got, one, np.float32, "decode out")
     assert_close(aux.mass, one_aux.mass, np.float32, "block mass")
+
+
+def test_random_cases_match_numpy():
+    """Random shapes, lengths, tables and chunkings (hypothesis) against the float64 oracle."""
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=8, deadline=None, derandomize=True)
+    @given(
+        seed=st.integers(0, 2**16),
+        kv_heads=st.sampled_from([1, 2]),
+        ratio=st.sampled_from([1, 3]),
+        page_size=st.sampled_from([4, 8]),
+        max_blocks=st.integers(1, 5),
+        query_len=st.integers(1, 4),
+        chunk_pages=st.sampled_from([None, 1, 2]),
+        past_length=st.sampled_from(["sentinel", "arbitrary"]),
+        data=st.data(),
+    )
+    def check(seed, kv_heads, ratio, page_size, max_blocks, query_len, chunk_pages,
+              past_length, data):
+        cap = page_size * max_blocks
+        lengths = data.draw(st.lists(st.integers(0, cap), min_size=1, max_size=3))
+        c = make_case(seed, batch=len(lengths), q_heads=kv_heads * ratio, kv_heads=kv_heads,
+                      head_dim=16, page_size=page_size, max_blocks=max_blocks, lengths=lengths,
+                      past_length=past_length, query_len=query_len)
+        q_start = np.array([data.draw(st.integers(0, max(n, 0))) for n in c.lengths], np.int32)
+        out, aux = pa.prefill_reference(c.q, c.k_pages, c.v_pages, c.block_tables, c.lengths,
+                                        q_start, mass="block", chunk_pages=chunk_pages)
+        pos = q_start[:, None] + np.arange(query_len)[None]
+        pos = np.where(pos < c.lengths[:, None], pos, -1)
+        want, lse, probs = numpy_attention(c.q, c.k_dense, c.v_dense, pos, c.lengths, 0.25)
+        assert_close(out, want, np.float32, "out")
+        b = len(lengths)
+        block = probs.reshape(b, query_len, kv_heads, ratio, max_blocks, page_size)
+        assert_close(aux.mass, block.mean(3).sum((1, 4)), np.float32, "block mass")
+
+    check()
