@@ -1,7 +1,8 @@
 """Paged-attention benchmark: `python -m experiments.bench_attention --json`.
 
 CPU part: the reference-path paged decode against a dense (contiguous-cache) decode at the
-SmolLM2-135M shape, timed side by side (interleaved repeats) in one run, reported as ratios.
+SmolLM2-135M shape, timed side by side (interleaved repeats) in one run, reported as ratios;
+a naive paged decode (one gather of the whole table) rides along for comparison.
 GPU part (only when a GPU is present): the Pallas decode at the Qwen2.5-7B shape as bytes read
 per second, against a device-to-device copy measured in the same run, against the H200's
 4.8 TB/s, side by side with the JAX peer kernel on the same inputs, and int8 pages vs bf16.
@@ -106,6 +107,9 @@ def cpu_part() -> dict:
     dense = jax.jit(lambda q, k, v, l: dense_decode(q, k, v, l, sm_scale=scale))
     paged = jax.jit(lambda q, k, v, t, l: pa.decode(q, k, v, t, l, sm_scale=scale,
                                                     backend="reference"))
+    # The naive paged path for comparison: one gather of the whole table, then attention.
+    naive = jax.jit(lambda q, k, v, t, l: pa.decode_reference(
+        q, k, v, t, l, sm_scale=scale, chunk_pages=t.shape[1], pool_dot=False)[0])
     points = []
     for batch in map(int, FLAGS.batches):
         for context in map(int, FLAGS.contexts):
@@ -116,14 +120,17 @@ def cpu_part() -> dict:
             q = jnp.asarray(rng.standard_normal((batch, hq, d)), dtype)
             got, want = paged(q, k, v, tables, lengths), dense(q, kd, vd, lengths)
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-            ms = _side_by_side({"dense": dense, "paged": paged},
-                               {"dense": (q, kd, vd, lengths), "paged": (q, k, v, tables, lengths)},
-                               FLAGS.repeats)
+            paged_args = (q, k, v, tables, lengths)
+            ms = _side_by_side({"dense": dense, "paged": paged, "naive": naive},
+                               {"dense": (q, kd, vd, lengths), "paged": paged_args,
+                                "naive": paged_args}, FLAGS.repeats)
             point = dict(batch=batch, context=context, dense_ms=ms["dense"],
                          paged_ms=ms["paged"], ratio=ms["paged"] / ms["dense"],
+                         naive_paged_ms=ms["naive"], naive_ratio=ms["naive"] / ms["dense"],
                          max_abs_diff=err)
             print(f"[cpu] B={batch:2d} ctx={context:5d}  dense {ms['dense']:8.3f} ms  "
-                  f"paged {ms['paged']:8.3f} ms  ratio {point['ratio']:.2f}", file=sys.stderr)
+                  f"paged {ms['paged']:8.3f} ms  ratio {point['ratio']:.2f}  (naive one-gather "
+                  f"{point['naive_ratio']:.2f})", file=sys.stderr)
             points.append(point)
     return dict(model=cfg.name, q_heads=hq, kv_heads=hkv, head_dim=d, page_size=page,
                 dtype=dtype.name, points=points, quant_error=quant_error(cfg, rng))
