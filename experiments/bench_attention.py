@@ -242,7 +242,9 @@ def main(argv):
         versions=dict(jax=jax.__version__, jaxlib=jaxlib.__version__, numpy=np.__version__,
                       python=platform.python_version()),
         device=dict(backend=backend, kind=jax.devices()[0].device_kind,
-                    count=jax.device_count(), cpu_count=os.cpu_count()),
+                    count=jax.device_count(), cpu_count=os.cpu_count(),
+                    # shared machines: timings drift with the load, ratios less so
+                    load_average_1_5_15=list(os.getloadavg())),
     )
     if not FLAGS.skip_cpu:
         record["cpu"] = cpu_part()

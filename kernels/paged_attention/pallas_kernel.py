@@ -74,13 +74,12 @@ def _load_tile(refs, spec, idx, page_ok, dtype):
     def load(ref):
         # All-array indices (a gather the Triton lowering turns into pointer offsets, and that
         # interpret mode can discharge), so the load can be masked page by page.
-        shape = (idx.shape[0], *ref.shape[1:])
-        axes = [idx.reshape(-1, 1, 1)] + [
-            lax.broadcasted_iota(jnp.int32, tuple(n if a == k else 1 for a, n in enumerate(shape)), k)
-            for k in (1, 2)
-        ]
+        shape = (idx.shape[0], *ref.shape[1:])  # [pages, P | 1, last]
+        slot = lax.broadcasted_iota(jnp.int32, (1, shape[1], 1), 1)
+        lane = lax.broadcasted_iota(jnp.int32, (1, 1, shape[2]), 2)
+        axes = (idx.reshape(-1, 1, 1), slot, lane)
         mask = jnp.broadcast_to(page_ok.reshape(-1, 1, 1), shape)
-        return plgpu.load(ref.at[tuple(axes)], mask=mask, other=jnp.zeros((), ref.dtype))
+        return plgpu.load(ref.at[axes], mask=mask, other=jnp.zeros((), ref.dtype))
 
     if spec is None:
         return load(refs[0]).astype(dtype)
