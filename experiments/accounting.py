@@ -17,12 +17,18 @@ from configs.models import get_model_config
 from kvquota.accounting import KVLayout, tenant_footprint
 from kvquota.formats import get_kv_format
 
-_MODEL = flags.DEFINE_string("model", "qwen2.5-7b", "Model preset name.")
-_BATCH = flags.DEFINE_integer("batch", 32, "Sequences in the tenant's batch.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 32768, "Tokens per sequence.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV block (page).")
-_KV_FORMAT = flags.DEFINE_string("kv_format", "bf16", "KV storage format.")
-_JSON = flags.DEFINE_boolean("json", False, "Print one JSON object instead of a table.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+    """Defined only when run as a program, so tests can import this module beside other
+    experiments whose flags share names (absl forbids defining a flag twice)."""
+    flags.DEFINE_string("model", "qwen2.5-7b", "Model preset name.")
+    flags.DEFINE_integer("batch", 32, "Sequences in the tenant's batch.")
+    flags.DEFINE_integer("seq_len", 32768, "Tokens per sequence.")
+    flags.DEFINE_integer("block_size", 16, "Tokens per KV block (page).")
+    flags.DEFINE_string("kv_format", "bf16", "KV storage format.")
+    flags.DEFINE_boolean("json", False, "Print one JSON object instead of a table.")
 
 
 def accounting(
@@ -96,13 +102,14 @@ def main(argv):
     del argv
     try:
         record = accounting(
-            _MODEL.value, _BATCH.value, _SEQ_LEN.value, _BLOCK_SIZE.value, _KV_FORMAT.value
+            FLAGS.model, FLAGS.batch, FLAGS.seq_len, FLAGS.block_size, FLAGS.kv_format
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    print(json.dumps(record) if _JSON.value else format_table(record))
+    print(json.dumps(record) if FLAGS.json else format_table(record))
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
