@@ -31,24 +31,34 @@ from kernels import paged_attention as pa
 from kernels.quantization import quantize_kv
 
 FLAGS = flags.FLAGS
-flags.DEFINE_bool("json", False, "Print the results as JSON (and write them to --out).")
-flags.DEFINE_string("out", None, "JSON output path; default results/bench_attention_<cpu|gpu>.json.")
-flags.DEFINE_list("contexts", ["512", "1024", "2048", "4096", "8192"], "CPU contexts (tokens).")
-flags.DEFINE_list("batches", ["1", "8"], "CPU batch sizes.")
-flags.DEFINE_string("cpu_model", "smollm2-135m", "Model preset whose attention shape the CPU part uses.")
-flags.DEFINE_enum("cpu_dtype", "float32", ["float32", "bfloat16"], "CPU cache dtype.")
-flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-flags.DEFINE_integer("repeats", 30, "Timed repeats per point (median reported).")
-flags.DEFINE_integer("seed", 0, "Seed for data and block-table permutations.")
-flags.DEFINE_bool("skip_cpu", False, "Skip the CPU part.")
-flags.DEFINE_bool("skip_gpu", False, "Skip the GPU part even when a GPU is present.")
-flags.DEFINE_string("gpu_model", "qwen2.5-7b", "Model preset for the GPU part.")
-flags.DEFINE_integer("gpu_batch", 32, "GPU batch.")
-flags.DEFINE_integer("gpu_context", 32768, "GPU context (tokens per sequence).")
-flags.DEFINE_float("peak_tb_s", 4.8, "Nominal HBM bandwidth (TB/s) of the device (H200: 4.8).")
-flags.DEFINE_bool("gpu_sweep", True, "Also time a small grid of kernel knobs on GPU.")
-flags.DEFINE_bool("gpu_dry_run", False, "Run the GPU part here with Pallas interpreted (checks "
-                  "the code path off GPU; use small --gpu_batch/--gpu_context; numbers mean nothing).")
+
+
+def _define_flags():
+    """Defined only when run as a program, so this module imports beside other experiments
+    whose absl flags share names (absl forbids defining a flag twice)."""
+    flags.DEFINE_bool("json", False, "Print the results as JSON (and write them to --out).")
+    flags.DEFINE_string("out", None,
+                        "JSON output path; default results/bench_attention_<cpu|gpu>.json.")
+    flags.DEFINE_list("contexts", ["512", "1024", "2048", "4096", "8192"],
+                      "CPU contexts (tokens).")
+    flags.DEFINE_list("batches", ["1", "8"], "CPU batch sizes.")
+    flags.DEFINE_string("cpu_model", "smollm2-135m",
+                        "Model preset whose attention shape the CPU part uses.")
+    flags.DEFINE_enum("cpu_dtype", "float32", ["float32", "bfloat16"], "CPU cache dtype.")
+    flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+    flags.DEFINE_integer("repeats", 30, "Timed repeats per point (median reported).")
+    flags.DEFINE_integer("seed", 0, "Seed for data and block-table permutations.")
+    flags.DEFINE_bool("skip_cpu", False, "Skip the CPU part.")
+    flags.DEFINE_bool("skip_gpu", False, "Skip the GPU part even when a GPU is present.")
+    flags.DEFINE_string("gpu_model", "qwen2.5-7b", "Model preset for the GPU part.")
+    flags.DEFINE_integer("gpu_batch", 32, "GPU batch.")
+    flags.DEFINE_integer("gpu_context", 32768, "GPU context (tokens per sequence).")
+    flags.DEFINE_float("peak_tb_s", 4.8,
+                       "Nominal HBM bandwidth (TB/s) of the device (H200: 4.8).")
+    flags.DEFINE_bool("gpu_sweep", True, "Also time a small grid of kernel knobs on GPU.")
+    flags.DEFINE_bool("gpu_dry_run", False,
+                      "Run the GPU part here with Pallas interpreted (checks the code path off GPU; "
+                      "use small --gpu_batch/--gpu_context; numbers mean nothing).")
 
 
 def _median_ms(fn, *args, repeats):
@@ -263,4 +273,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
