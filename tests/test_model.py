@@ -17,6 +17,14 @@ from kvquota.state import StateConfig
 ATOL = {"float32": 1e-4}  # logits, paged vs dense (issue #5)
 
 
+@pytest.fixture(autouse=True)
+def _f32_matmuls():
+    """f32 tests compute in f32: on GPU, XLA's default matmul precision may round operands to
+    TF32, which would test the hardware's rounding instead of the cache (CPU: no change)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _prompts(vocab, lengths, seed):
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
