@@ -5,6 +5,7 @@
 #
 #   OUT=/some/dir bash scripts/device_check.sh
 #
+# The install uses --no-build-isolation: that machine reaches no registry to fetch setuptools.
 # f32 tests compare at f32 tolerance, so the reference's XLA dots must not run in TF32:
 # JAX_DEFAULT_MATMUL_PRECISION=highest (the kernel asks for HIGHEST itself).
 set -u
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/.."
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
 } > "$OUT/env.txt"
 
-"$PY" -m pip install --no-deps -e . > "$OUT/pip_install.log" 2>&1
+"$PY" -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1
 echo "pip rc=$?" >> "$OUT/env.txt"
 "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())" \
   >> "$OUT/env.txt" 2>&1
