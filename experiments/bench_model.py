@@ -35,14 +35,20 @@ from kvquota import engine as E
 from kvquota import tokenizer, weights
 from kvquota.state import StateConfig
 
-_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
-_CONTEXTS = flags.DEFINE_list("contexts", ["512", "2048"], "Context lengths (prompt tokens).")
-_STEPS = flags.DEFINE_integer("decode_steps", 8, "Timed decode steps per point.")
-_CHUNK = flags.DEFINE_integer("chunk_size", 512, "Prefill chunk length.")
-_BLOCK = flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
-_KV_FORMAT = flags.DEFINE_string("kv_format", "f32", "KV format of both caches (f32 or bf16).")
-_OUT = flags.DEFINE_string("out", "results/bench_model.json", "Where to write the results.")
-_JSON = flags.DEFINE_boolean("json", False, "Print the results as one JSON object.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+    """Defined only when run as a program, so tests can import this module beside other
+    experiments whose flags share names (absl forbids defining a flag twice)."""
+    flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
+    flags.DEFINE_list("contexts", ["512", "2048"], "Context lengths (prompt tokens).")
+    flags.DEFINE_integer("decode_steps", 8, "Timed decode steps per point.")
+    flags.DEFINE_integer("chunk_size", 512, "Prefill chunk length.")
+    flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
+    flags.DEFINE_string("kv_format", "f32", "KV format of both caches (f32 or bf16).")
+    flags.DEFINE_string("out", "results/bench_model.json", "Where to write the results.")
+    flags.DEFINE_boolean("json", False, "Print the results as one JSON object.")
 
 
 def _prompts(tok, batch: int, context: int) -> list[list[int]]:
@@ -142,11 +148,11 @@ def run(batches, contexts, *, steps=8, chunk=512, block=16, kv_format="f32", log
         for b in batches:
             point = bench_point(config, params, _prompts(tok, b, ctx), steps=steps,
                                 chunk=chunk, block=block, kv_format=kv_format)
-            log(f"batch {b:2d} context {ctx:5d}: prefill tok/s dense "
-                f"{point['prefill_tokens_per_s']['dense']:8.1f} paged "
-                f"{point['prefill_tokens_per_s']['paged']:8.1f} (x{point['prefill_seconds']['ratio']:.2f}"
-                f" time) | decode step ms dense {point['decode_step_ms']['dense']:7.1f} paged "
-                f"{point['decode_step_ms']['paged']:7.1f} (x{point['decode_step_ms']['ratio']:.2f})")
+            pre, step = point["prefill_tokens_per_s"], point["decode_step_ms"]
+            log(f"batch {b:2d} context {ctx:5d}: prefill tok/s dense {pre['dense']:8.1f} "
+                f"paged {pre['paged']:8.1f} (x{point['prefill_seconds']['ratio']:.2f} time) | "
+                f"decode step ms dense {step['dense']:7.1f} paged {step['paged']:7.1f} "
+                f"(x{step['ratio']:.2f})")
             points.append(point)
     device = jax.devices()[0]
     return {
@@ -170,19 +176,20 @@ def run(batches, contexts, *, steps=8, chunk=512, block=16, kv_format="f32", log
 
 def main(argv):
     del argv
-    log = (lambda *a: print(*a, file=sys.stderr)) if _JSON.value else print
-    record = run([int(b) for b in _BATCHES.value], [int(c) for c in _CONTEXTS.value],
-                 steps=_STEPS.value, chunk=_CHUNK.value, block=_BLOCK.value,
-                 kv_format=_KV_FORMAT.value, log=log)
-    if _OUT.value:
-        os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-        with open(_OUT.value, "w") as f:
+    log = (lambda *a: print(*a, file=sys.stderr)) if FLAGS.json else print
+    record = run([int(b) for b in FLAGS.batches], [int(c) for c in FLAGS.contexts],
+                 steps=FLAGS.decode_steps, chunk=FLAGS.chunk_size, block=FLAGS.block_size,
+                 kv_format=FLAGS.kv_format, log=log)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+        with open(FLAGS.out, "w") as f:
             json.dump(record, f, indent=2)
             f.write("\n")
-    if _JSON.value:
+    if FLAGS.json:
         json.dump(record, sys.stdout)
         sys.stdout.write("\n")
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

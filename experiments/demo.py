@@ -24,8 +24,6 @@ from kvquota import engine as E
 from kvquota import tokenizer, weights
 from kvquota.state import StateConfig
 
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 40, "Tokens generated per request at most.")
-_JSON = flags.DEFINE_boolean("json", False, "Print the results as one JSON object.")
 
 SYSTEM = (
     "You are the support assistant of a cloud provider. Answer in one or two short sentences. "
@@ -37,6 +35,15 @@ QUESTIONS = {
     1: "Why do long prompts use more GPU memory?",
     2: "What does a quota limit?",
 }
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+    """Defined only when run as a program, so tests can import this module beside other
+    experiments whose flags share names (absl forbids defining a flag twice)."""
+    flags.DEFINE_integer("max_new_tokens", 40, "Tokens generated per request at most.")
+    flags.DEFINE_boolean("json", False, "Print the results as one JSON object.")
 
 
 def _ledger_rows(engine) -> list[dict]:
@@ -130,11 +137,12 @@ def run(max_new_tokens: int = 40, verbose: bool = True) -> dict:
 
 def main(argv):
     del argv
-    record = run(_MAX_NEW.value, verbose=not _JSON.value)
-    if _JSON.value:
+    record = run(FLAGS.max_new_tokens, verbose=not FLAGS.json)
+    if FLAGS.json:
         json.dump(record, sys.stdout)
         sys.stdout.write("\n")
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

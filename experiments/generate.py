@@ -15,17 +15,24 @@ from absl import app, flags
 
 from kvquota import engine, tokenizer, weights
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model preset name.")
-_WEIGHTS = flags.DEFINE_string(
-    "weights", None, "A .gguf file or Hugging Face checkpoint dir (default: the packaged SmolLM2).")
-_PROMPT = flags.DEFINE_string("prompt", None, "The prompt text.", required=True)
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate at most.")
-_CHAT = flags.DEFINE_boolean("chat", False, "Apply the model's chat template.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling temperature.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-_KV_FORMAT = flags.DEFINE_string("kv_format", "f32", "KV page format (f32, bf16, ...).")
-_JSON = flags.DEFINE_boolean("json", False, "Print one JSON object instead of the text.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+    """Defined only when run as a program, so tests can import this module beside other
+    experiments whose flags share names (absl forbids defining a flag twice)."""
+    flags.DEFINE_string("model", "smollm2-135m", "Model preset name.")
+    flags.DEFINE_string(
+        "weights", None,
+        "A .gguf file or Hugging Face checkpoint dir (default: the packaged SmolLM2).")
+    flags.DEFINE_string("prompt", None, "The prompt text.", required=True)
+    flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate at most.")
+    flags.DEFINE_boolean("chat", False, "Apply the model's chat template.")
+    flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling temperature.")
+    flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
+    flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    flags.DEFINE_string("kv_format", "f32", "KV page format (f32, bf16, ...).")
+    flags.DEFINE_boolean("json", False, "Print one JSON object instead of the text.")
 
 
 def run(model: str, prompt: str, max_new_tokens: int, *, chat: bool = False, weights_path=None,
@@ -48,10 +55,14 @@ def run(model: str, prompt: str, max_new_tokens: int, *, chat: bool = False, wei
 
 def main(argv):
     del argv
-    record = run(_MODEL.value, _PROMPT.value, _MAX_NEW.value, chat=_CHAT.value,
-                 weights_path=_WEIGHTS.value, kv_format=_KV_FORMAT.value,
-                 sampling=engine.Sampling(_TEMPERATURE.value, _TOP_K.value, _SEED.value))
-    if _JSON.value:
+    try:
+        record = run(FLAGS.model, FLAGS.prompt, FLAGS.max_new_tokens, chat=FLAGS.chat,
+                     weights_path=FLAGS.weights, kv_format=FLAGS.kv_format,
+                     sampling=engine.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.seed))
+    except (OSError, ValueError, weights.WeightsError) as error:  # bad input: say it, exit 2
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        sys.exit(2)
+    if FLAGS.json:
         json.dump(record, sys.stdout)
         sys.stdout.write("\n")
     else:
@@ -59,4 +70,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

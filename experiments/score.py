@@ -18,15 +18,22 @@ from absl import app, flags
 
 from kvquota import engine, tokenizer, weights
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model preset name.")
-_WEIGHTS = flags.DEFINE_string(
-    "weights", None, "A .gguf file or Hugging Face checkpoint dir (default: the packaged SmolLM2).")
-_TEXT_FILE = flags.DEFINE_string("text_file", None, "UTF-8 text to score.", required=True)
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 512, "Score the first N tokens (0: all).")
-_CHUNK = flags.DEFINE_integer("chunk_size", 256, "Prefill chunk length.")
-_BLOCK = flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
-_KV_FORMAT = flags.DEFINE_string("kv_format", "f32", "KV page format (f32, bf16, ...).")
-_JSON = flags.DEFINE_boolean("json", False, "Print one JSON object.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+    """Defined only when run as a program, so tests can import this module beside other
+    experiments whose flags share names (absl forbids defining a flag twice)."""
+    flags.DEFINE_string("model", "smollm2-135m", "Model preset name.")
+    flags.DEFINE_string(
+        "weights", None,
+        "A .gguf file or Hugging Face checkpoint dir (default: the packaged SmolLM2).")
+    flags.DEFINE_string("text_file", None, "UTF-8 text to score.", required=True)
+    flags.DEFINE_integer("max_tokens", 512, "Score the first N tokens (0: all).")
+    flags.DEFINE_integer("chunk_size", 256, "Prefill chunk length.")
+    flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
+    flags.DEFINE_string("kv_format", "f32", "KV page format (f32, bf16, ...).")
+    flags.DEFINE_boolean("json", False, "Print one JSON object.")
 
 
 def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size: int = 256,
@@ -55,10 +62,15 @@ def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size
 
 def main(argv):
     del argv
-    text = pathlib.Path(_TEXT_FILE.value).read_text(encoding="utf-8")
-    record = run(_MODEL.value, text, _MAX_TOKENS.value, weights_path=_WEIGHTS.value,
-                 chunk_size=_CHUNK.value, block_size=_BLOCK.value, kv_format=_KV_FORMAT.value)
-    if _JSON.value:
+    try:
+        text = pathlib.Path(FLAGS.text_file).read_text(encoding="utf-8")
+        record = run(FLAGS.model, text, FLAGS.max_tokens, weights_path=FLAGS.weights,
+                     chunk_size=FLAGS.chunk_size, block_size=FLAGS.block_size,
+                     kv_format=FLAGS.kv_format)
+    except (OSError, ValueError, weights.WeightsError) as error:  # bad input: say it, exit 2
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        sys.exit(2)
+    if FLAGS.json:
         json.dump(record, sys.stdout)
         sys.stdout.write("\n")
     else:
@@ -67,4 +79,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

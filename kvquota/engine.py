@@ -192,7 +192,8 @@ def _check_prompts(config: ModelConfig, prompts, extra: int):
         _check_context(config, len(prompt) + extra, f"prompt {i} + {extra} new tokens")
         bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
         if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size}): {bad[:5]}")
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {config.vocab_size}): {bad[:5]}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -133,7 +133,8 @@ def from_gguf(path) -> Tokenizer:
     reader = _gguf_reader(path)
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level 'gpt2')")
+        raise TokenizerError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level 'gpt2')")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     types = _field(reader, "tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]

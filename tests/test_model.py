@@ -60,8 +60,10 @@ def test_dense_chunking_does_not_change_logits():
     config = get_model_config("tiny-qwen-untied")
     params = M.init_params(config, seed=11, scale=0.1)
     prompts = _prompts(config.vocab_size, [29, 11], seed=0)
-    small = E.DenseEngine(config, params, capacity=64, chunk_size=16).prefill(prompts, last_only=False)
-    whole = E.DenseEngine(config, params, capacity=64, chunk_size=64).prefill(prompts, last_only=False)
+    small = E.DenseEngine(config, params, capacity=64, chunk_size=16).prefill(
+        prompts, last_only=False)
+    whole = E.DenseEngine(config, params, capacity=64, chunk_size=64).prefill(
+        prompts, last_only=False)
     small = np.concatenate([np.asarray(c) for c in small], axis=1)[:, :29]
     whole = np.asarray(whole[0])[:, :29]
     for b, n in enumerate([29, 11]):

@@ -20,7 +20,8 @@ from kvquota import weights
 
 MODEL = "tiny-qwen-untied"  # vocab 320: 256 byte tokens + 3 specials fit
 CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -86,3 +87,15 @@ def test_bad_inputs_give_typed_errors(tmp_path):
         weights.load_pretrained("smollm2-135m", tmp_path / "x.gguf")
     with pytest.raises(tk.TokenizerError, match="tokenizer.json"):
         tk.from_hf_dir(tmp_path)
+
+
+def test_score_cli_bad_weights_path_exits_2(tmp_path):
+    text_file = tmp_path / "t.txt"
+    text_file.write_text("hello")
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.score", f"--model={MODEL}",
+         f"--weights={tmp_path / 'nowhere'}", f"--text_file={text_file}", "--json"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "error: WeightsNotFoundError: weights path not found" in out.stderr
+    assert out.stdout == ""

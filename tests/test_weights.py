@@ -78,7 +78,8 @@ def test_safetensors_wrong_architecture(tmp_path):
 def test_safetensors_preset_mismatch(tmp_path):
     config = get_model_config("tiny-qwen")
     weights.save_safetensors(tmp_path, config, M.init_params(config))
-    with pytest.raises(weights.ConfigMismatchError, match="hidden_size: checkpoint 64 vs preset 96"):
+    with pytest.raises(weights.ConfigMismatchError,
+                       match="hidden_size: checkpoint 64 vs preset 96"):
         weights.load_safetensors(tmp_path, "tiny-qwen-untied")
 
 
@@ -102,7 +103,8 @@ def test_gguf_missing_and_wrong_architecture(tmp_path):
 def _llama_cpp_permute(w, heads):
     """llama.cpp's convert_hf_to_gguf.py Q/K permutation, from its published formula:
     reshape(heads, 2, D/2, ...) -> swap axes 1, 2 -> reshape back."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 @pytest.mark.parametrize("shape", [(3 * 8, 5), (2 * 4,)])
