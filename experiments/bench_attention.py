@@ -12,21 +12,17 @@ Not a timed test: numbers go to a JSON file with the command, versions, device a
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import os
-import platform
 import sys
 import time
 
 from absl import app, flags
 import jax
-import jaxlib
 import jax.numpy as jnp
 import numpy as np
 
 from configs.models import get_model_config
+from experiments import run_record
 from kernels import paged_attention as pa
 from kernels.quantization import quantize_kv
 
@@ -245,17 +241,8 @@ def gpu_part() -> dict:
 def main(argv):
     del argv
     backend = jax.default_backend()
-    record = dict(
-        command="python -m experiments.bench_attention " + " ".join(sys.argv[1:]),
-        time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        seed=FLAGS.seed,
-        versions=dict(jax=jax.__version__, jaxlib=jaxlib.__version__, numpy=np.__version__,
-                      python=platform.python_version()),
-        device=dict(backend=backend, kind=jax.devices()[0].device_kind,
-                    count=jax.device_count(), cpu_count=os.cpu_count(),
-                    # shared machines: timings drift with the load, ratios less so
-                    load_average_1_5_15=list(os.getloadavg())),
-    )
+    record = run_record.run_metadata("experiments.bench_attention")
+    record["seed"] = FLAGS.seed
     if not FLAGS.skip_cpu:
         record["cpu"] = cpu_part()
     if (backend == "gpu" or FLAGS.gpu_dry_run) and not FLAGS.skip_gpu:
@@ -263,14 +250,8 @@ def main(argv):
         record["gpu"]["dry_run"] = backend != "gpu"
     else:
         record["gpu"] = None if FLAGS.skip_gpu else f"skipped: no GPU (backend {backend})"
-    text = json.dumps(record, indent=2)
-    if FLAGS.json:
-        print(text)
     out = FLAGS.out or f"results/bench_attention_{'gpu' if backend == 'gpu' else 'cpu'}.json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        f.write(text + "\n")
-
+    run_record.write_record(record, out, FLAGS.json)
 
 if __name__ == "__main__":
     _define_flags()

@@ -17,21 +17,17 @@ caches alternate, and each reports its median, so a busy neighbour hurts both al
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
-import json
 import math
 import os
-import platform
 import sys
 import time
 
-import flax
 import jax
 import numpy as np
 from absl import app, flags
 
 from kvquota import engine as E
+from experiments import run_record
 from kvquota import tokenizer, weights
 from kvquota.state import StateConfig
 
@@ -156,19 +152,13 @@ def run(batches, contexts, *, steps=8, chunk=512, block=16, kv_format="f32", log
             points.append(point)
     device = jax.devices()[0]
     return {
-        "command": "python -m experiments.bench_model " + " ".join(sys.argv[1:]),
+        **run_record.run_metadata("experiments.bench_model"),
         "model": config.name,
         "kv_format": kv_format,
         "block_size": block,
         "chunk_size": chunk,
         "decode_steps": steps,
         "attention_backend": "auto -> " + ("pallas" if device.platform == "gpu" else "reference"),
-        "versions": {"python": platform.python_version(), "jax": jax.__version__,
-                     "jaxlib": importlib.metadata.version("jaxlib"),
-                     "flax": flax.__version__, "numpy": np.__version__},
-        "device": {"platform": device.platform, "kind": device.device_kind,
-                   "cpu_count": os.cpu_count(), "machine": platform.machine()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seed": None,  # deterministic: real text, greedy decode
         "points": points,
     }
@@ -180,15 +170,7 @@ def main(argv):
     record = run([int(b) for b in FLAGS.batches], [int(c) for c in FLAGS.contexts],
                  steps=FLAGS.decode_steps, chunk=FLAGS.chunk_size, block=FLAGS.block_size,
                  kv_format=FLAGS.kv_format, log=log)
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-    if FLAGS.json:
-        json.dump(record, sys.stdout)
-        sys.stdout.write("\n")
-
+    run_record.write_record(record, FLAGS.out, FLAGS.json)
 
 if __name__ == "__main__":
     _define_flags()

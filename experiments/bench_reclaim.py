@@ -13,11 +13,7 @@ tenant whose shared prefix passes to an heir, and the jitted time at 2^16, 2^18 
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 
 import jax
@@ -26,6 +22,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from configs.models import get_model_config
+from experiments import run_record
 from kvquota import _ops
 from kvquota.allocator import Allocator
 from kvquota.builder import SyntheticSpec, build_state
@@ -267,24 +264,10 @@ def main(argv):
     scaling = sorted(int(x) for x in FLAGS.scaling)
     result = run(FLAGS.log2_blocks, scaling, FLAGS.repeats, FLAGS.seed)
     flags_used = [f"--{name}={FLAGS[name].value}" for name in ("log2_blocks", "repeats", "seed")]
-    result["command"] = "python -m experiments.bench_reclaim " + " ".join(sys.argv[1:])
+    result.update(run_record.run_metadata("experiments.bench_reclaim"))
     result["resolved_flags"] = flags_used + [f"--scaling={','.join(map(str, scaling))}"]
-    result["versions"] = {"python": platform.python_version(), "jax": jax.__version__,
-                          "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
-                          "numpy": np.__version__}
-    result["device"] = {"platform": jax.default_backend(),
-                        "kind": jax.devices()[0].device_kind, "machine": platform.machine(),
-                        "processor": platform.processor() or platform.machine(),
-                        "cpu_count": os.cpu_count(),
-                        "load_average_1_5_15min": list(os.getloadavg())}
-    result["timestamp_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    text = json.dumps(result, indent=2)
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            f.write(text + "\n")
-    if FLAGS.json:
-        print(text)
-    else:
+    run_record.write_record(result, FLAGS.out, FLAGS.json)
+    if not FLAGS.json:
         print(f"release of 1 tenant at {result['blocks']} blocks: jitted {result['seconds']*1e3:.3f} ms, "
               f"loop {result['loop_seconds']*1e3:.3f} ms, speedup {result['speedup']:.1f}x")
 

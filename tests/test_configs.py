@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from configs.models import MODELS, ModelConfig, UnknownModelError, get_model_config
+from configs.models import MODELS, UnknownModelError, get_model_config
 
 
 def _hand_param_count(h, layers, hq, hkv, d, ffn, vocab, tied, bias):
