@@ -80,6 +80,7 @@ def test_paged_matches_dense_mixed_batch(model):
 
     report, chunks = paged.admit([0, 1, 2], prompts, last_only=False)
     assert report.admitted.all() and (report.cached_tokens == 0).all()
+    paged.allocator.check(paged.state)
     ref = dense.prefill(prompts, last_only=False)
     got = np.concatenate([np.asarray(c) for c in chunks], axis=1)
     want = np.concatenate([np.asarray(c) for c in ref], axis=1)
@@ -98,6 +99,7 @@ def test_paged_matches_dense_mixed_batch(model):
         rep, lp = paged.decode(np.where(skip, -1, seq_ids), tok_p.astype(np.int32))
         ld = dense.decode(np.where(skip, -1, np.arange(3)), tok_d.astype(np.int32))
         assert (rep.appended == ~skip).all()
+        paged.allocator.check(paged.state)
         lp, ld = np.asarray(lp), np.asarray(ld)
         np.testing.assert_allclose(lp[~skip], ld[~skip], rtol=0, atol=ATOL["float32"])
         last_p = np.where(skip[:, None], last_p, lp)
@@ -158,6 +160,8 @@ def test_prefix_cache_hit_across_shared_tenants_equals_recompute():
     tok = np.array([int(want[-1].argmax())], np.int32)
     _, lg = eng.decode(r1.seq_id[:1].astype(np.int32), tok)
     _, lf = fresh.decode(rf.seq_id[:1].astype(np.int32), tok)
+    eng.allocator.check(eng.state)
+    fresh.allocator.check(fresh.state)
     np.testing.assert_allclose(np.asarray(lg), np.asarray(lf), rtol=0, atol=ATOL["float32"])
 
 
@@ -175,6 +179,7 @@ def test_quota_refusals_are_reported():
     assert out[0].finish.startswith("append refused: over token quota")
     assert len(out[0].tokens) == 4  # 9 prompt tokens + 3 appended = 12; the 4th is sampled only
     assert out[1].finish.startswith("refused: over token quota") and out[1].tokens == []
+    eng.allocator.check(eng.state)
 
 
 def test_sampling_is_seeded():
