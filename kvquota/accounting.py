@@ -14,7 +14,8 @@ from configs.models import ModelConfig
 from kvquota.formats import KVFormat
 
 
-def _check_positive(**sizes: int) -> None:
+def check_positive(**sizes: int) -> None:
+    """Raises ValueError naming each size that is not a positive int (bools excluded)."""
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -29,7 +30,7 @@ class KVLayout:
     block_size: int = 16
 
     def __post_init__(self):
-        _check_positive(block_size=self.block_size)
+        check_positive(block_size=self.block_size)
 
     @property
     def bytes_per_layer_block(self) -> int:
@@ -75,7 +76,7 @@ class Footprint:
 
 def tenant_footprint(layout: KVLayout, batch: int, seq_len: int) -> Footprint:
     """KV bytes of `batch` sequences of `seq_len` tokens each, by tokens and by whole blocks."""
-    _check_positive(batch=batch, seq_len=seq_len)
+    check_positive(batch=batch, seq_len=seq_len)
     blocks = layout.blocks_for(seq_len) * batch
     token_bytes = layout.bytes_per_token * batch * seq_len
     return Footprint(

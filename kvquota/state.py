@@ -31,7 +31,7 @@ import numpy as np
 from flax import struct
 
 from configs.models import ModelConfig
-from kvquota.accounting import KVLayout
+from kvquota.accounting import KVLayout, check_positive
 from kvquota.formats import KVFormat, get_kv_format
 from kvquota.sentinel import INVALID
 
@@ -64,11 +64,6 @@ REASONS = {
 }
 
 INT32_MAX = 2**31 - 1
-
-
-def _positive(name, value):
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +103,7 @@ class StateConfig:
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_seqs", "max_blocks_per_seq",
                      "num_tenants", "lookup_candidates"):
-            _positive(name, getattr(self, name))
+            check_positive(**{name: getattr(self, name)})
         if not isinstance(self.host_blocks, int) or self.host_blocks < 0:
             raise ValueError(f"host_blocks must be a non-negative integer, got {self.host_blocks!r}")
         if get_kv_format(self.kv_format).quantized:
@@ -119,7 +114,7 @@ class StateConfig:
             if not (isinstance(entry, tuple) and len(entry) == 2):
                 raise ValueError(f"compressed pool {entry!r} is not (format name, blocks)")
             get_kv_format(entry[0])
-            _positive(f"blocks of compressed pool {entry[0]!r}", entry[1])
+            check_positive(**{f"blocks of compressed pool {entry[0]!r}": entry[1]})
         names = [self.kv_format] + [name for name, _ in self.compressed_pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool formats must be distinct, got {names}")

@@ -221,14 +221,3 @@ def empty_quantized_pages(
         data=data, scales=jnp.zeros(shape, jnp.bfloat16), zeros=zeros, kv_format=fmt, role=role
     )
 
-
-__all__ = [
-    "QuantizedPages",
-    "dequantize_pages",
-    "dequantize_tile",
-    "empty_quantized_pages",
-    "quantize_kv",
-    "quantize_pages",
-    "unpack_codes",
-]
-
