@@ -1,3 +1,5 @@
-"""Typed presets: model shapes and experiment settings."""
+"""Typed presets (the lowest layer): model shapes, KV storage formats, the root error."""
 
-from configs.models import MODELS, ModelConfig, UnknownModelError, get_model_config
+from configs.errors import FormatSpecError, KVQuotaError, UnknownFormatError, UnknownModelError
+from configs.formats import KV_FORMATS, KVFormat, QuantSpec, get_kv_format
+from configs.models import MODELS, ModelConfig, get_model_config

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-
-class UnknownModelError(ValueError):
-    """Raised for a model preset name that is not registered."""
+from configs.errors import UnknownModelError
 
 
 @dataclasses.dataclass(frozen=True)

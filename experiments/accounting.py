@@ -14,8 +14,8 @@ import sys
 from absl import app, flags
 
 from configs.models import get_model_config
-from kvquota.accounting import KVLayout, tenant_footprint
-from kvquota.formats import get_kv_format
+from kvquota import KVLayout, tenant_footprint
+from configs.formats import get_kv_format
 
 FLAGS = flags.FLAGS
 

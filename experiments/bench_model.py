@@ -26,10 +26,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from kvquota import engine as E
+import kvquota as kq
 from experiments import run_record
-from kvquota import tokenizer, weights
-from kvquota.state import StateConfig
 
 FLAGS = flags.FLAGS
 
@@ -75,15 +73,15 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
     capacity = ctx + steps + 2
     dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[kv_format]
     per_seq = math.ceil(capacity / block)
-    sc = StateConfig(model=config, num_blocks=b * per_seq, block_size=block, max_seqs=b,
+    sc = kq.StateConfig(model=config, num_blocks=b * per_seq, block_size=block, max_seqs=b,
                      max_blocks_per_seq=per_seq, num_tenants=1, kv_format=kv_format)
 
     def new_dense():
-        return E.DenseEngine(config, params, capacity=capacity, chunk_size=chunk,
+        return kq.DenseEngine(config, params, capacity=capacity, chunk_size=chunk,
                              cache_dtype=dtype)
 
     def new_paged():
-        eng = E.PagedEngine(config, params, sc, chunk_size=chunk)
+        eng = kq.PagedEngine(config, params, sc, chunk_size=chunk)
         eng.register_tenant(0, token_quota=2**31 - 1, byte_quota=eng.max_byte_quota)
         return eng
 
@@ -137,8 +135,8 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
 
 def run(batches, contexts, *, steps=8, chunk=512, block=16, kv_format="f32", log=print) -> dict:
     """All points; returns the results record."""
-    config, params = weights.load_smollm2()
-    tok = tokenizer.from_gguf(weights.smollm2_gguf_path())
+    config, params = kq.load_smollm2()
+    tok = kq.from_gguf(kq.smollm2_gguf_path())
     points = []
     for ctx in contexts:
         for b in batches:

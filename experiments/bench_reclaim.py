@@ -4,8 +4,8 @@
 
 Builds (vectorised, `kvquota.builder`) a metadata-only state: 2^20 blocks of 16 tokens,
 8,192 sequences over 64 tenants, each tenant's sequences sharing a system-prompt prefix and 16
-tenants in 4 sharing groups. Releases one private tenant (~1/64 of the pool) with the jitted,
-donating core, and the same release with a straightforward per-block Python loop (the way a
+tenants in 4 sharing groups. Releases one private tenant (~1/64 of the pool) through the public
+`Allocator.release_tenant(..., donate=True)`, and the same release with a straightforward per-block Python loop (the way a
 Python block pool frees: walk the tenant's tables, decrement, push to a free list) on the same
 data; checks that both end in the same state; reports their times and ratio, the time for a
 tenant whose shared prefix passes to an heir, and the jitted time at 2^16, 2^18 and 2^20 blocks.
@@ -23,10 +23,7 @@ from absl import app, flags, logging
 
 from configs.models import get_model_config
 from experiments import run_record
-from kvquota import _ops
-from kvquota.allocator import Allocator
-from kvquota.builder import SyntheticSpec, build_state
-from kvquota.state import StateConfig
+from kvquota import Allocator, StateConfig, SyntheticSpec, build_state
 
 FLAGS = flags.FLAGS
 
@@ -67,33 +64,23 @@ def _copy(state):
 
 
 def jitted_chain(config, state, tenants, warmup_tenant):
-    """Release `tenants` one after another with the jitted donating core, each on the state the
-    previous release returned (the steady state of a serving loop: buffers produced by earlier
-    donated ops). Returns per-tenant seconds (plan computed outside the timing), the final state
-    and the reports. One untimed release of `warmup_tenant` compiles and primes the buffers."""
+    """Release `tenants` one after another through the public `Allocator.release_tenant(...,
+    donate=True)`, each on the state the previous release returned (the steady state of a serving
+    loop: buffers produced by earlier donated ops). Returns per-tenant seconds (the facade's
+    host-side checks and planning included), the final state and the reports. One untimed
+    release of `warmup_tenant` compiles and primes the buffers."""
     alloc = Allocator(config)
     x = _copy(state)
     seconds, reports = [], []
     for i, t in enumerate([warmup_tenant] + list(tenants)):
-        _, rows, heirs, slots = alloc.release_plan(x, t)
         jax.block_until_ready(x)
         t0 = time.perf_counter()
-        x, rep = _ops.drop_donated_jit(config, x, rows, heirs, None, slots)
+        x, rep = alloc.release_tenant(x, t, donate=True)
         jax.block_until_ready((x, rep))
         if i:
             seconds.append(time.perf_counter() - t0)
             reports.append(rep)
     return seconds, x, reports
-
-
-def facade_seconds(config, state, tenant):
-    """The public `release_tenant_donated` end to end (host-side plan and checks included)."""
-    alloc = Allocator(config)
-    x = _copy(state)
-    x, _ = alloc.release_tenant_donated(x, tenant)  # compile / warm
-    t0 = time.perf_counter()
-    jax.block_until_ready(alloc.release_tenant_donated(x, tenant - 1))
-    return time.perf_counter() - t0
 
 
 class PythonPool:
@@ -102,21 +89,21 @@ class PythonPool:
 
     def __init__(self, config, host):
         self.p = config.block_size
-        self.ref = host.ref_count.tolist()
-        self.payer_refs = host.payer_refs.tolist()
-        self.payer = host.payer.tolist()
-        self.pin = host.pin_count.tolist()
-        self.fill = host.fill.tolist()
-        self.generation = host.generation.tolist()
-        self.charged = host.charged_blocks[:, 0].tolist()
-        self.used = host.used_tokens.tolist()
-        self.seq_tenant = host.seq_tenant.tolist()
-        self.seq_lens = host.seq_lens.tolist()
-        self.salt = host.salt.tolist()
-        self.tables = host.block_tables.tolist()
-        self.free_list = host.free_list[: int(host.free_count[0])].tolist()
-        ids = np.flatnonzero(host.hashed)
-        h = host.block_hash[ids]
+        self.ref = host.blocks.ref_count.tolist()
+        self.payer_refs = host.blocks.payer_refs.tolist()
+        self.payer = host.blocks.payer.tolist()
+        self.pin = host.blocks.pin_count.tolist()
+        self.fill = host.blocks.fill.tolist()
+        self.generation = host.blocks.generation.tolist()
+        self.charged = host.tenants.charged_blocks[:, 0].tolist()
+        self.used = host.tenants.used_tokens.tolist()
+        self.seq_tenant = host.seqs.seq_tenant.tolist()
+        self.seq_lens = host.seqs.seq_lens.tolist()
+        self.salt = host.tenants.salt.tolist()
+        self.tables = host.seqs.block_tables.tolist()
+        self.free_list = host.free.free_list[: int(host.free.free_count[0])].tolist()
+        ids = np.flatnonzero(host.blocks.hashed)
+        h = host.blocks.block_hash[ids]
         self.block_key = dict(zip(ids.tolist(), zip(h[:, 0].tolist(), h[:, 1].tolist())))
         self.cache = {k: b for b, k in self.block_key.items()}
         self.seqs_of = {}
@@ -180,14 +167,14 @@ def loop_chain(config, host, tenants, warmup_tenant):
 
 def same_result(jitted_state, loop):
     s = jax.device_get(jitted_state)
-    free = np.sort(s.free_list[: int(s.free_count[0])]).tolist()
+    free = np.sort(s.free.free_list[: int(s.free.free_count[0])]).tolist()
     return (
-        s.ref_count.tolist() == loop["ref"]
-        and s.payer.tolist() == loop["payer"]
-        and s.payer_refs.tolist() == loop["payer_refs"]
+        s.blocks.ref_count.tolist() == loop["ref"]
+        and s.blocks.payer.tolist() == loop["payer"]
+        and s.blocks.payer_refs.tolist() == loop["payer_refs"]
         and free == loop["free"]
-        and s.charged_blocks[:, 0].tolist() == loop["charged"]
-        and s.used_tokens.tolist() == loop["used"]
+        and s.tenants.charged_blocks[:, 0].tolist() == loop["charged"]
+        and s.tenants.used_tokens.tolist() == loop["used"]
     )
 
 
@@ -215,7 +202,6 @@ def run(log2_blocks, scaling, repeats, seed) -> dict:
         "results_match": bool(match),
         "seconds_all": jit_s[:n],
         "loop_seconds_all": loop_s[:n],
-        "facade_seconds": facade_seconds(config, state, PRIVATE_TENANT),
         "released": {
             "tenants": private,
             "sequences_per_tenant": config.max_seqs // TENANTS,

@@ -20,9 +20,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from kvquota import engine as E
-from kvquota import tokenizer, weights
-from kvquota.state import StateConfig
+import kvquota as kq
 
 
 SYSTEM = (
@@ -66,11 +64,11 @@ def run(max_new_tokens: int = 40, verbose: bool = True) -> dict:
     """Runs the demo; returns what it printed, as data."""
     say = print if verbose else (lambda *a, **k: None)
     start = time.perf_counter()
-    config, params = weights.load_smollm2()
-    tok = tokenizer.from_gguf(weights.smollm2_gguf_path())
-    state_config = StateConfig(model=config, num_blocks=128, block_size=16, max_seqs=8,
+    config, params = kq.load_smollm2()
+    tok = kq.from_gguf(kq.smollm2_gguf_path())
+    state_config = kq.StateConfig(model=config, num_blocks=128, block_size=16, max_seqs=8,
                                max_blocks_per_seq=16, num_tenants=len(TENANTS), kv_format="bf16")
-    engine = E.PagedEngine(config, params, state_config, chunk_size=128)
+    engine = kq.PagedEngine(config, params, state_config, chunk_size=128)
     block_bytes = state_config.layout().bytes_per_block
     for t, (name, group) in TENANTS.items():  # quotas: 1024 tokens, 24 blocks' bytes each
         engine.register_tenant(t, token_quota=1024, byte_quota=24 * block_bytes,
@@ -125,9 +123,9 @@ def run(max_new_tokens: int = 40, verbose: bool = True) -> dict:
         _print_ledger("after freeing acme", record["ledgers"]["after freeing acme"])
     engine.allocator.check(engine.state)
     for t in (1, 2):
-        engine.state, _ = engine.allocator.release_tenant_donated(engine.state, t)
+        engine.state, _ = engine.allocator.release_tenant(engine.state, t, donate=True)
     engine.allocator.check(engine.state)
-    free_blocks = int(np.asarray(engine.state.free_count)[0])
+    free_blocks = int(np.asarray(engine.state.free.free_count)[0])
     record["free_blocks_at_end"] = free_blocks
     record["seconds"] = time.perf_counter() - start
     say(f"\nall tenants released: {free_blocks}/{state_config.num_blocks} blocks free, "

@@ -13,7 +13,7 @@ import sys
 
 from absl import app, flags
 
-from kvquota import engine, tokenizer, weights
+import kvquota as kq
 
 FLAGS = flags.FLAGS
 
@@ -36,13 +36,13 @@ def _define_flags():
 
 
 def run(model: str, prompt: str, max_new_tokens: int, *, chat: bool = False, weights_path=None,
-        sampling: engine.Sampling = engine.Sampling(), kv_format: str = "f32") -> dict:
+        sampling: kq.Sampling = kq.Sampling(), kv_format: str = "f32") -> dict:
     """Generates a continuation of `prompt` (the library call behind the CLI)."""
-    config, params = weights.load_pretrained(model, weights_path)
-    tok = tokenizer.load_tokenizer(model, weights_path)
+    config, params = kq.load_pretrained(model, weights_path)
+    tok = kq.load_tokenizer(model, weights_path)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)
-    out = engine.generate(config, params, [ids], max_new_tokens, sampling=sampling,
+    out = kq.generate(config, params, [ids], max_new_tokens, sampling=sampling,
                           stop_ids=tok.stop_ids(), kv_format=kv_format)[0]
     return {
         "model": model,
@@ -58,8 +58,8 @@ def main(argv):
     try:
         record = run(FLAGS.model, FLAGS.prompt, FLAGS.max_new_tokens, chat=FLAGS.chat,
                      weights_path=FLAGS.weights, kv_format=FLAGS.kv_format,
-                     sampling=engine.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.seed))
-    except (OSError, ValueError, weights.WeightsError) as error:  # bad input: say it, exit 2
+                     sampling=kq.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.seed))
+    except (OSError, ValueError, kq.WeightsError) as error:  # bad input: say it, exit 2
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
         sys.exit(2)
     if FLAGS.json:

@@ -16,7 +16,7 @@ import time
 
 from absl import app, flags
 
-from kvquota import engine, tokenizer, weights
+import kvquota as kq
 
 FLAGS = flags.FLAGS
 
@@ -39,13 +39,13 @@ def _define_flags():
 def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size: int = 256,
         block_size: int = 16, kv_format: str = "f32") -> dict:
     """The score record for `text` (the library call behind the CLI)."""
-    config, params = weights.load_pretrained(model, weights_path)
-    tok = tokenizer.load_tokenizer(model, weights_path)
+    config, params = kq.load_pretrained(model, weights_path)
+    tok = kq.load_tokenizer(model, weights_path)
     ids = tok.encode(text)
     if max_tokens:
         ids = ids[:max_tokens]
     start = time.perf_counter()
-    result = engine.score(config, params, ids, chunk_size=chunk_size, block_size=block_size,
+    result = kq.score(config, params, ids, chunk_size=chunk_size, block_size=block_size,
                           kv_format=kv_format)
     return {
         "model": model,
@@ -67,7 +67,7 @@ def main(argv):
         record = run(FLAGS.model, text, FLAGS.max_tokens, weights_path=FLAGS.weights,
                      chunk_size=FLAGS.chunk_size, block_size=FLAGS.block_size,
                      kv_format=FLAGS.kv_format)
-    except (OSError, ValueError, weights.WeightsError) as error:  # bad input: say it, exit 2
+    except (OSError, ValueError, kq.WeightsError) as error:  # bad input: say it, exit 2
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
         sys.exit(2)
     if FLAGS.json:

@@ -1,41 +1,43 @@
-"""kvquota: a paged KV cache shared by tenants under quotas, as pure JAX transformations."""
+"""kvquota: a paged KV cache shared by tenants under quotas, as pure JAX transformations.
 
+The public API, by concept. Implementation modules (`kvquota.core` above all) are private.
+"""
+
+# ---- sizes, formats, byte accounting ---------------------------------------------------------
+from configs.formats import KV_FORMATS, KVFormat, QuantSpec, get_kv_format
+from configs.models import MODELS, ModelConfig, get_model_config
 from kvquota.accounting import Footprint, KVLayout, tenant_footprint
-from kvquota.formats import (
-    KV_FORMATS,
-    KVFormat,
-    QuantSpec,
-    UnknownFormatError,
-    get_kv_format,
+
+# ---- the state and its operations --------------------------------------------------------------
+from kvquota.allocator import Allocator
+from kvquota.builder import SyntheticSpec, build_state
+from kvquota.codes import (
+    INT32_MAX,
+    REASONS,
+    SEQ_FREE,
+    SEQ_PREEMPTED,
+    SEQ_RUNNING,
+    SEQ_SUSPENDED,
+    TIER_DEVICE,
+    TIER_HOST,
 )
+from kvquota.hashing import group_salt, private_salt
+from kvquota.invariants import check_invariants
 from kvquota.sentinel import INVALID, is_invalid, is_valid
-
-# Model, weights, tokenizer and serving on the paged state (issue #5).
-from kvquota.engine import (
-    DenseEngine,
-    Generation,
-    PagedEngine,
-    Sampling,
-    ScoreResult,
-    generate,
-    score,
-)
-from kvquota.model import ChunkMeta, ContextTooLongError, Decoder, DenseKV, PagedKV, init_params
-from kvquota.tokenizer import Tokenizer, TokenizerError, from_gguf, from_hf_dir, load_tokenizer
-from kvquota.weights import (
-    ConfigMismatchError,
-    UnsupportedArchitectureError,
-    WeightsError,
-    WeightsNotFoundError,
-    load_gguf,
-    load_pretrained,
-    load_safetensors,
-    load_smollm2,
-    save_safetensors,
+from kvquota.state import (
+    Blocks,
+    FreeLists,
+    KVState,
+    PoolPages,
+    Sequences,
+    StateConfig,
+    Tenants,
+    init_state,
+    validate_state,
 )
 
-# Functional paged KV state: config, pytree, validating ops, ledger, invariants (issue #3).
-from kvquota._reports import (
+# ---- reports -------------------------------------------------------------------------------------
+from kvquota.reports import (
     AdmitReport,
     AppendReport,
     ForkReport,
@@ -44,12 +46,15 @@ from kvquota._reports import (
     PinReport,
     TenantReport,
 )
-from kvquota.allocator import Allocator
-from kvquota.builder import SyntheticSpec, build_state
+
+# ---- errors (one hierarchy under KVQuotaError) --------------------------------------------------
 from kvquota.errors import (
     BlockStateError,
+    ConfigMismatchError,
+    ContextTooLongError,
     DoubleFreeError,
     DuplicateIdError,
+    FormatSpecError,
     InputDtypeError,
     InputShapeError,
     InvariantError,
@@ -59,19 +64,43 @@ from kvquota.errors import (
     StateMismatchError,
     TenantExistsError,
     TokenIdError,
+    TokenizerError,
+    UnknownFormatError,
+    UnknownModelError,
     UnknownSequenceError,
     UnknownTenantError,
+    UnsupportedArchitectureError,
+    WeightsError,
+    WeightsNotFoundError,
 )
-from kvquota.invariants import check_invariants
-from kvquota.state import (
-    REASONS,
-    SEQ_FREE,
-    SEQ_PREEMPTED,
-    SEQ_RUNNING,
-    SEQ_SUSPENDED,
-    TIER_DEVICE,
-    TIER_HOST,
-    KVState,
-    StateConfig,
-    init_state,
+
+# ---- model: decoder, weights, tokenizer ----------------------------------------------------------
+from kvquota.model import (
+    ChunkMeta,
+    Decoder,
+    DenseKV,
+    PagedKV,
+    Tokenizer,
+    from_gguf,
+    from_hf_dir,
+    init_params,
+    load_gguf,
+    load_pretrained,
+    load_safetensors,
+    load_smollm2,
+    load_tokenizer,
+    save_safetensors,
+    smollm2_gguf_path,
+)
+
+# ---- serving ------------------------------------------------------------------------------------
+from kvquota.serving import (
+    DenseEngine,
+    Generation,
+    PagedEngine,
+    Sampling,
+    ScoreResult,
+    generate,
+    sample_tokens,
+    score,
 )

@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from configs.models import ModelConfig
-from kvquota.formats import KVFormat
+from configs.formats import KVFormat
 
 
 def check_positive(**sizes: int) -> None:

@@ -3,9 +3,10 @@
 `Allocator(config)` holds only the static config; every method is `op(state, ...) ->
 (new_state, report)`. Each method checks its inputs against the config and the current state
 (reading a few small arrays back to the host) and raises a typed `KVQuotaError` before calling
-the jitted core, so on error the state is untouched. `op` never donates (forks and "unchanged on
-error" rely on that); `op_donated` donates `state` (for serving loops: the caller must not use the
-old state afterwards).
+the jitted core, so on error the state is untouched. Every method takes `donate: bool = False` and
+hands off through `kvquota.core.run`: without donation the input state stays valid (forks and
+"unchanged on error" rely on that); with `donate=True` the state's buffers are reused in place
+(serving loops; the caller must not use the old state afterwards).
 
 Release and free touch only the rows they need: the facade lists the tenant's sequence slots (and
 the live slots of tenants sharing its salt, the only possible heirs) and pads each list to a power
@@ -19,8 +20,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from kvquota import _ops
-from kvquota._reports import (
+from kvquota import core
+from kvquota.reports import (
     AdmitReport,
     AppendReport,
     ForkReport,
@@ -45,15 +46,9 @@ from kvquota.errors import (
 )
 from kvquota.invariants import check_invariants
 from kvquota.sentinel import INVALID
-from kvquota.state import (
-    INT32_MAX,
-    SEQ_RUNNING,
-    KVState,
-    StateConfig,
-    group_salt,
-    init_state,
-    private_salt,
-)
+from kvquota.codes import INT32_MAX, SEQ_RUNNING
+from kvquota.hashing import group_salt, private_salt
+from kvquota.state import KVState, StateConfig, init_state, validate_state
 
 
 def _bucket(n: int) -> int:
@@ -98,7 +93,6 @@ class Allocator:
         if not isinstance(config, StateConfig):
             raise TypeError(f"config must be a StateConfig, got {type(config).__name__}")
         self.config = config
-        self._shapes = jax.eval_shape(lambda: init_state(config))
 
     # ---- state ---------------------------------------------------------------------------
     def init(self) -> KVState:
@@ -112,27 +106,17 @@ class Allocator:
     def ledger(self, state: KVState) -> Ledger:
         """The per-tenant ledger view (bytes via its properties)."""
         self._check_state(state)
-        return _ops.ledger_jit(self.config, state)
+        return core.ledger(self.config, state)
 
     def _check_state(self, state):
-        if not isinstance(state, KVState):
-            raise StateMismatchError(f"expected a KVState, got {type(state).__name__}")
-        for name in self._shapes.__dataclass_fields__:
-            want, got = getattr(self._shapes, name), getattr(state, name)
-            if (want is None) != (got is None) or (
-                want is not None
-                and (tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype)
-            ):
-                raise StateMismatchError(f"state field {name} does not match this config")
-            if want is not None and isinstance(got, jax.Array) and got.is_deleted():
-                raise StateMismatchError(f"state field {name} was donated to an earlier call")
+        validate_state(self.config, state)
 
     # ---- small host reads for validation ---------------------------------------------------
     def _tenant(self, state, tenant, *, registered=True) -> int:
         t = _int_scalar("tenant", tenant, UnknownTenantError)
         if not 0 <= t < self.config.num_tenants:
             raise UnknownTenantError(f"tenant {t} outside [0, {self.config.num_tenants})")
-        if registered and not bool(state.registered[t]):
+        if registered and not bool(state.tenants.registered[t]):
             raise UnknownTenantError(f"tenant {t} is not registered")
         return t
 
@@ -142,7 +126,7 @@ class Allocator:
         if bad.size:
             raise error(f"{what}: sequence id {int(bad[0])} outside [0, {self.config.max_seqs})")
         if ids.size:
-            status = np.asarray(state.seq_status)[ids]
+            status = np.asarray(state.seqs.seq_status)[ids]
             if (status != SEQ_RUNNING).any():
                 raise error(f"{what}: sequence {int(ids[status != SEQ_RUNNING][0])} is not running")
         return ids
@@ -150,8 +134,8 @@ class Allocator:
     def _heir_rows(self, state, salts, exclude) -> Optional[np.ndarray]:
         """Live sequence slots of tenants whose salt is in `salts` (the only possible heirs),
         padded to a power of two; None when there are none (the core then reads no other row)."""
-        ten = np.asarray(state.seq_tenant)
-        salt = np.asarray(state.salt)
+        ten = np.asarray(state.seqs.seq_tenant)
+        salt = np.asarray(state.tenants.salt)
         live = ten >= 0
         rows = np.flatnonzero(live & np.isin(salt[np.maximum(ten, 0)], np.asarray(salts)))
         rows = np.setdiff1d(rows, exclude)
@@ -195,14 +179,10 @@ class Allocator:
             salt = private_salt(t)
         else:
             salt = group_salt(self._nonneg("share_group", share_group, 2**31 - 1))
-        if bool(state.registered[t]):
+        if bool(state.tenants.registered[t]):
             raise TenantExistsError(f"tenant {t} is already registered")
-        fn = _ops.set_tenant_donated_jit if donate else _ops.set_tenant_jit
-        return fn(self.config, state, t, tq, units, lease, np.uint32(salt))
+        return core.run("set_tenant", self.config, state, t, tq, units, lease, np.uint32(salt), donate=donate)
 
-    def register_tenant_donated(self, state, tenant, **kwargs):
-        """register_tenant; donates `state`."""
-        return self.register_tenant(state, tenant, donate=True, **kwargs)
 
     def set_quota(self, state, tenant, *, token_quota=None, byte_quota=None,
                   donate=False) -> tuple[KVState, TenantReport]:
@@ -211,35 +191,27 @@ class Allocator:
         until then new admissions and appends of that tenant are refused."""
         self._check_state(state)
         t = self._tenant(state, tenant)
-        tq = int(state.token_quota[t]) if token_quota is None else self._nonneg(
+        tq = int(state.tenants.token_quota[t]) if token_quota is None else self._nonneg(
             "token_quota", token_quota)
-        units = int(state.byte_quota[t]) if byte_quota is None else self._quota_units(byte_quota)
-        fn = _ops.set_tenant_donated_jit if donate else _ops.set_tenant_jit
-        return fn(self.config, state, t, tq, units, int(state.lease_expiry[t]),
-                  np.uint32(state.salt[t]))
+        units = int(state.tenants.byte_quota[t]) if byte_quota is None else self._quota_units(byte_quota)
+        return core.run("set_tenant", self.config, state, t, tq, units, int(state.tenants.lease_expiry[t]),
+                  np.uint32(state.tenants.salt[t]), donate=donate)
 
-    def set_quota_donated(self, state, tenant, **kwargs):
-        """set_quota; donates `state`."""
-        return self.set_quota(state, tenant, donate=True, **kwargs)
 
     def set_lease(self, state, tenant, lease_expiry, *, donate=False):
         """Move a tenant's lease expiry step (release_tenant is the action at expiry)."""
         self._check_state(state)
         t = self._tenant(state, tenant)
         lease = self._nonneg("lease_expiry", lease_expiry)
-        fn = _ops.set_tenant_donated_jit if donate else _ops.set_tenant_jit
-        return fn(self.config, state, t, int(state.token_quota[t]), int(state.byte_quota[t]),
-                  lease, np.uint32(state.salt[t]))
+        return core.run("set_tenant", self.config, state, t, int(state.tenants.token_quota[t]), int(state.tenants.byte_quota[t]),
+                  lease, np.uint32(state.tenants.salt[t]), donate=donate)
 
-    def set_lease_donated(self, state, tenant, lease_expiry):
-        """set_lease; donates `state`."""
-        return self.set_lease(state, tenant, lease_expiry, donate=True)
 
     def expired_tenants(self, state, step: int) -> np.ndarray:
         """Registered tenants whose lease_expiry <= step."""
         self._check_state(state)
         step = _int_scalar("step", step)
-        return np.flatnonzero(np.asarray(state.registered) & (np.asarray(state.lease_expiry) <= step))
+        return np.flatnonzero(np.asarray(state.tenants.registered) & (np.asarray(state.tenants.lease_expiry) <= step))
 
     # ---- admit / append / fork -------------------------------------------------------------
     def admit(self, state, tenants, tokens, lengths, *, donate=False
@@ -276,12 +248,8 @@ class Allocator:
         in_prompt = real[:, None] & (np.arange(tok.shape[1])[None, :] < lens[:, None])
         if ((tok < 0) | (tok >= c.model.vocab_size))[in_prompt].any():
             raise TokenIdError(f"prompt token ids must be in [0, {c.model.vocab_size})")
-        fn = _ops.admit_donated_jit if donate else _ops.admit_jit
-        return fn(c, state, ten, tok, np.where(real, lens, 0).astype(np.int32))
+        return core.run("admit", c, state, ten, tok, np.where(real, lens, 0).astype(np.int32), donate=donate)
 
-    def admit_donated(self, state, tenants, tokens, lengths):
-        """admit; donates `state`."""
-        return self.admit(state, tenants, tokens, lengths, donate=True)
 
     def append(self, state, seq_ids, tokens, *, donate=False) -> tuple[KVState, AppendReport]:
         """Append one token to each sequence: seq_ids i32[B] (unique; INVALID = padding),
@@ -300,15 +268,11 @@ class Allocator:
         real = ids != INVALID
         if ((tok < 0) | (tok >= c.model.vocab_size))[real].any():
             raise TokenIdError(f"token ids must be in [0, {c.model.vocab_size})")
-        if real_ids.size and (np.asarray(state.seq_lens)[real_ids] >= c.max_tokens_per_seq).any():
+        if real_ids.size and (np.asarray(state.seqs.seq_lens)[real_ids] >= c.max_tokens_per_seq).any():
             raise SequenceTooLongError(
                 f"append: a sequence already holds {c.max_tokens_per_seq} tokens (table full)")
-        fn = _ops.append_donated_jit if donate else _ops.append_jit
-        return fn(c, state, ids, tok)
+        return core.run("append", c, state, ids, tok, donate=donate)
 
-    def append_donated(self, state, seq_ids, tokens):
-        """append; donates `state`."""
-        return self.append(state, seq_ids, tokens, donate=True)
 
     def fork(self, state, seq_ids, *, donate=False) -> tuple[KVState, ForkReport]:
         """Fork running sequences (i32[B], INVALID = padding) into new slots of the same tenant:
@@ -318,12 +282,8 @@ class Allocator:
         if ids.size == 0:
             raise InputShapeError("seq_ids must have at least one row")
         self._running(state, ids, "fork")
-        fn = _ops.fork_donated_jit if donate else _ops.fork_jit
-        return fn(self.config, state, ids)
+        return core.run("fork", self.config, state, ids, donate=donate)
 
-    def fork_donated(self, state, seq_ids):
-        """fork; donates `state`."""
-        return self.fork(state, seq_ids, donate=True)
 
     # ---- pins ------------------------------------------------------------------------------
     def _blocks(self, state, block_ids, what):
@@ -343,31 +303,23 @@ class Allocator:
         self._check_state(state)
         ids, real = self._blocks(state, block_ids, "pin")
         if real.size:
-            held = (np.asarray(state.ref_count[real]) > 0) | (np.asarray(state.pin_count[real]) > 0)
+            held = (np.asarray(state.blocks.ref_count[real]) > 0) | (np.asarray(state.blocks.pin_count[real]) > 0)
             if not held.all():
                 raise BlockStateError(f"pin: block {int(real[~held][0])} is free")
-        fn = _ops.pin_donated_jit if donate else _ops.pin_jit
-        return fn(self.config, state, ids)
+        return core.run("pin", self.config, state, ids, donate=donate)
 
-    def pin_blocks_donated(self, state, block_ids):
-        """pin_blocks; donates `state`."""
-        return self.pin_blocks(state, block_ids, donate=True)
 
     def unpin_blocks(self, state, block_ids, *, donate=False) -> tuple[KVState, FreeReport]:
         """Drop one pin on each block (i32[B]); blocks held by nothing return to their pool."""
         self._check_state(state)
         ids, real = self._blocks(state, block_ids, "unpin")
-        if real.size and (np.asarray(state.pin_count[real]) <= 0).any():
-            bad = real[np.asarray(state.pin_count[real]) <= 0][0]
+        if real.size and (np.asarray(state.blocks.pin_count[real]) <= 0).any():
+            bad = real[np.asarray(state.blocks.pin_count[real]) <= 0][0]
             raise BlockStateError(f"unpin: block {int(bad)} is not pinned")
-        payers = np.asarray(state.payer[real]) if real.size else np.zeros(0, np.int32)
-        heirs = self._heir_rows(state, np.asarray(state.salt)[payers], [])
-        fn = _ops.unpin_donated_jit if donate else _ops.unpin_jit
-        return fn(self.config, state, ids, heirs)
+        payers = np.asarray(state.blocks.payer[real]) if real.size else np.zeros(0, np.int32)
+        heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[payers], [])
+        return core.run("unpin", self.config, state, ids, heirs, donate=donate)
 
-    def unpin_blocks_donated(self, state, block_ids):
-        """unpin_blocks; donates `state`."""
-        return self.unpin_blocks(state, block_ids, donate=True)
 
     def _prefix(self, state, seq_id, num_blocks):
         sid = _int_scalar("seq_id", seq_id, UnknownSequenceError)
@@ -375,28 +327,22 @@ class Allocator:
             raise UnknownSequenceError(f"sequence id {sid} outside [0, {self.config.max_seqs})")
         self._running(state, np.array([sid], np.int32), "prefix")
         n = _int_scalar("num_blocks", num_blocks, BlockStateError)
-        have = -(-int(state.seq_lens[sid]) // self.config.block_size)
+        have = -(-int(state.seqs.seq_lens[sid]) // self.config.block_size)
         if not 1 <= n <= have:
             raise BlockStateError(f"num_blocks {n} outside [1, {have}] for sequence {sid}")
-        return np.asarray(state.block_tables[sid, :n])
+        return np.asarray(state.seqs.block_tables[sid, :n])
 
     def pin_prefix(self, state, seq_id, num_blocks, *, donate=False):
         """Pin the first `num_blocks` blocks of a running sequence (e.g. its system prompt)."""
         self._check_state(state)
         return self.pin_blocks(state, self._prefix(state, seq_id, num_blocks), donate=donate)
 
-    def pin_prefix_donated(self, state, seq_id, num_blocks):
-        """pin_prefix; donates `state`."""
-        return self.pin_prefix(state, seq_id, num_blocks, donate=True)
 
     def unpin_prefix(self, state, seq_id, num_blocks, *, donate=False):
         """Unpin the first `num_blocks` blocks of a running sequence."""
         self._check_state(state)
         return self.unpin_blocks(state, self._prefix(state, seq_id, num_blocks), donate=donate)
 
-    def unpin_prefix_donated(self, state, seq_id, num_blocks):
-        """unpin_prefix; donates `state`."""
-        return self.unpin_prefix(state, seq_id, num_blocks, donate=True)
 
     # ---- free / release --------------------------------------------------------------------
     def free(self, state, seq_ids, *, donate=False) -> tuple[KVState, FreeReport]:
@@ -409,24 +355,20 @@ class Allocator:
         real = self._running(state, ids, "free", error=DoubleFreeError)
         if len(np.unique(real)) != len(real):
             raise DoubleFreeError("free: a sequence appears twice in one call")
-        ten = np.asarray(state.seq_tenant)[real]
-        heirs = self._heir_rows(state, np.asarray(state.salt)[ten], real)
+        ten = np.asarray(state.seqs.seq_tenant)[real]
+        heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
         rows = _pad(real, _bucket(len(real)))
-        fn = _ops.drop_donated_jit if donate else _ops.drop_jit
-        return fn(self.config, state, rows, heirs, None, 0)
+        return core.run("drop", self.config, state, rows, heirs, None, 0, donate=donate)
 
-    def free_donated(self, state, seq_ids):
-        """free; donates `state`."""
-        return self.free(state, seq_ids, donate=True)
 
     def release_plan(self, state, tenant, unpin=False):
         """Host-side inputs of the jitted release (tenant's rows, heir rows, pin slots)."""
         t = self._tenant(state, tenant)
-        ten = np.asarray(state.seq_tenant)
+        ten = np.asarray(state.seqs.seq_tenant)
         rows = np.flatnonzero(ten == t)
-        heirs = self._heir_rows(state, np.asarray(state.salt)[[t]], rows)
-        slots = _bucket(int(np.asarray(state.pinned_blocks[t]).sum())) if unpin else 0
-        if unpin and int(np.asarray(state.pinned_blocks[t]).sum()) == 0:
+        heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[[t]], rows)
+        slots = _bucket(int(np.asarray(state.tenants.pinned_blocks[t]).sum())) if unpin else 0
+        if unpin and int(np.asarray(state.tenants.pinned_blocks[t]).sum()) == 0:
             slots = 0
         return t, _pad(rows, _bucket(len(rows))), heirs, slots
 
@@ -440,9 +382,5 @@ class Allocator:
         if not isinstance(unpin, bool):
             raise InputDtypeError(f"unpin must be a bool, got {unpin!r}")
         t, rows, heirs, slots = self.release_plan(state, tenant, unpin)
-        fn = _ops.drop_donated_jit if donate else _ops.drop_jit
-        return fn(self.config, state, rows, heirs, np.int32(t) if slots else None, slots)
+        return core.run("drop", self.config, state, rows, heirs, np.int32(t) if slots else None, slots, donate=donate)
 
-    def release_tenant_donated(self, state, tenant, *, unpin=False):
-        """release_tenant; donates `state`."""
-        return self.release_tenant(state, tenant, unpin=unpin, donate=True)

@@ -15,18 +15,9 @@ import jax
 import numpy as np
 
 from kvquota.sentinel import INVALID
-from kvquota.state import (
-    INT32_MAX,
-    SEQ_RUNNING,
-    KVState,
-    StateConfig,
-    block_hash,
-    group_salt,
-    init_state,
-    pool_of,
-    private_salt,
-    salt_root,
-)
+from kvquota.codes import INT32_MAX, SEQ_RUNNING
+from kvquota.hashing import block_hash, group_salt, private_salt, salt_root
+from kvquota.state import KVState, StateConfig, init_pages, init_state, pool_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +147,8 @@ def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
     used_tokens = np.bincount(seq_t, weights=lens, minlength=ntn).astype(np.int32)
 
     base = jax.device_get(init_state(dataclasses.replace(c, with_pages=False)))
-    free_list = np.asarray(base.free_list).copy()
-    free_count = np.asarray(base.free_count).copy()
+    free_list = np.asarray(base.free.free_list).copy()
+    free_count = np.asarray(base.free.free_count).copy()
     free_list[:n0 - n_used] = np.arange(n0 - 1, n_used - 1, -1)  # lowest free id popped first
     free_count[0] = n0 - n_used
     seq_lens = np.zeros(c.max_seqs, np.int32)
@@ -166,12 +157,9 @@ def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
     seq_tenant[:s_used] = seq_t
     status = np.zeros(c.max_seqs, np.int8)
     status[:s_used] = SEQ_RUNNING
-    pages = init_state(c) if c.with_pages else None
     arrays = dict(
-        k_pages=None if pages is None else pages.k_pages,
-        v_pages=None if pages is None else pages.v_pages,
         ref_count=ref, pin_count=pin, payer=payer, payer_refs=payer_refs,
-        tier=base.tier, precision=base.precision, fill=fill, token_ids=token_ids,
+        tier=base.blocks.tier, precision=base.blocks.precision, fill=fill, token_ids=token_ids,
         block_hash=block_h, hashed=hashed, block_salt=block_salt, parent=parent,
         parent_gen=np.zeros(nb, np.int32), generation=np.zeros(nb, np.int32),
         free_list=free_list, free_count=free_count, block_tables=tables, seq_lens=seq_lens,
@@ -181,5 +169,4 @@ def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
         lease_expiry=np.full(ntn, INT32_MAX, np.int32), salt=salts,
         used_tokens=used_tokens, charged_blocks=charged, pinned_blocks=pinned,
     )
-    return KVState(**{k: (v if v is None or isinstance(v, jax.Array) else jax.numpy.asarray(v))
-                      for k, v in arrays.items()})
+    return KVState.from_fields(init_pages(c), **arrays)

@@ -1,9 +1,20 @@
-"""Typed errors of the public state API. All are ValueErrors, so callers can catch broadly; the
-facade raises them before any jitted (possibly donating) call, so the state is never touched."""
+"""Every typed error of kvquota, in one hierarchy under `KVQuotaError` (a ValueError).
 
+The root and the presets' errors (unknown model or format) live in `configs.errors`, the lowest
+layer, and are re-exported here. The state facade raises its errors before any jitted (possibly
+donating) call, so on error the state is never touched.
+"""
 
-class KVQuotaError(ValueError):
-    """Base class of every error raised by kvquota's state API."""
+from configs.errors import FormatSpecError, KVQuotaError, UnknownFormatError, UnknownModelError
+
+__all__ = [
+    "KVQuotaError", "UnknownModelError", "UnknownFormatError", "FormatSpecError",
+    "StateMismatchError", "InputShapeError", "InputDtypeError", "UnknownTenantError",
+    "TenantExistsError", "QuotaValueError", "UnknownSequenceError", "DoubleFreeError",
+    "DuplicateIdError", "SequenceTooLongError", "TokenIdError", "BlockStateError",
+    "InvariantError", "ContextTooLongError", "TokenizerError", "WeightsError",
+    "WeightsNotFoundError", "UnsupportedArchitectureError", "ConfigMismatchError",
+]
 
 
 class StateMismatchError(KVQuotaError):
@@ -63,3 +74,28 @@ class InvariantError(KVQuotaError):
         shown = "\n  ".join(self.problems[:20])
         more = f"\n  ... and {len(self.problems) - 20} more" if len(self.problems) > 20 else ""
         super().__init__(f"{len(self.problems)} invariant(s) violated:\n  {shown}{more}")
+
+
+# ---- model, tokenizer, weights ------------------------------------------------------------------
+class ContextTooLongError(KVQuotaError):
+    """A sequence would run past the model's `max_context`."""
+
+
+class TokenizerError(KVQuotaError):
+    """A tokenizer that cannot be built (unsupported model or pre-tokenizer, missing file)."""
+
+
+class WeightsError(KVQuotaError):
+    """Base class of the weight loaders' errors."""
+
+
+class WeightsNotFoundError(WeightsError, FileNotFoundError):
+    """A weights file or checkpoint directory does not exist or is incomplete."""
+
+
+class UnsupportedArchitectureError(WeightsError):
+    """The checkpoint is not a Llama/Qwen2-family decoder this model implements."""
+
+
+class ConfigMismatchError(WeightsError):
+    """The checkpoint's shapes disagree with the requested preset."""

@@ -2,13 +2,14 @@
 
 This is an independent implementation (host NumPy, not the jitted core), so a bug in an operation
 shows up as a difference rather than being repeated. It checks:
-  * shapes/dtypes fixed by the config; tier and precision equal their pool's;
+  * the state is one of this config (`validate_state`: StateMismatchError otherwise); tier and
+    precision equal their pool's;
   * sequences: live slots belong to registered tenants, tables hold exactly ceil(len / P) valid
     entries, positions equal lengths (no eviction yet);
   * ref counts and payer-held refs equal the references in the tables;
   * each pool's free list holds exactly its blocks held by nothing (no duplicates, nothing both
     free and held; pinned blocks never free); free blocks carry no metadata (tombstones cleared),
-    and with scrub_on_free their pages are zero;
+    and with scrub_on_free their pages are zero in every pool;
   * every held block is charged to one registered tenant, who still references it unless it is
     pinned; cross-tenant references only between tenants sharing a salt;
   * block fill and token ids agree with every referencing sequence; every full block of a live
@@ -24,16 +25,9 @@ import numpy as np
 
 from kvquota.errors import InvariantError
 from kvquota.sentinel import INVALID
-from kvquota.state import (
-    SEQ_FREE,
-    SEQ_RUNNING,
-    KVState,
-    StateConfig,
-    block_hash,
-    init_state,
-    pool_of,
-    salt_root,
-)
+from kvquota.codes import SEQ_FREE, SEQ_RUNNING
+from kvquota.hashing import block_hash, salt_root
+from kvquota.state import KVState, StateConfig, pool_of, validate_state
 
 
 def _diff(problems, name, got, want, limit=5):
@@ -60,36 +54,36 @@ def _flag(problems, name, mask, limit=5):
 def recompute(config: StateConfig, st) -> dict:
     """Per-block and per-tenant figures recomputed from the tables of a host (NumPy) state."""
     nb, ntn, npools, p = config.total_blocks, config.num_tenants, config.num_pools, config.block_size
-    live = st.seq_status != SEQ_FREE
-    ten = np.where(live, st.seq_tenant, INVALID)
-    tab = np.where(live[:, None], st.block_tables, INVALID)
+    live = st.seqs.seq_status != SEQ_FREE
+    ten = np.where(live, st.seqs.seq_tenant, INVALID)
+    tab = np.where(live[:, None], st.seqs.block_tables, INVALID)
     ok = (tab >= 0) & (tab < nb)
     ents = tab[ok]
     ent_ten = np.broadcast_to(ten[:, None], tab.shape)[ok]
     ref = np.bincount(ents, minlength=nb)[:nb]
-    payer_refs = np.bincount(ents[st.payer[ents] == ent_ten], minlength=nb)[:nb]
+    payer_refs = np.bincount(ents[st.blocks.payer[ents] == ent_ten], minlength=nb)[:nb]
     pools = pool_of(config, np.arange(nb), xp=np)
-    held = (ref > 0) | (st.pin_count > 0)
+    held = (ref > 0) | (st.blocks.pin_count > 0)
     charged = np.zeros((ntn, npools), np.int64)
     pinned = np.zeros((ntn, npools), np.int64)
-    payer_ok = held & (st.payer >= 0) & (st.payer < ntn)
-    np.add.at(charged, (st.payer[payer_ok], pools[payer_ok]), 1)
-    pin_ok = payer_ok & (st.pin_count > 0)
-    np.add.at(pinned, (st.payer[pin_ok], pools[pin_ok]), 1)
+    payer_ok = held & (st.blocks.payer >= 0) & (st.blocks.payer < ntn)
+    np.add.at(charged, (st.blocks.payer[payer_ok], pools[payer_ok]), 1)
+    pin_ok = payer_ok & (st.blocks.pin_count > 0)
+    np.add.at(pinned, (st.blocks.payer[pin_ok], pools[pin_ok]), 1)
     used = np.zeros(ntn, np.int64)
-    np.add.at(used, ten[live & (ten >= 0) & (ten < ntn)], st.seq_lens[live & (ten >= 0) & (ten < ntn)])
+    np.add.at(used, ten[live & (ten >= 0) & (ten < ntn)], st.seqs.seq_lens[live & (ten >= 0) & (ten < ntn)])
     # Distinct blocks each tenant references but others pay for; reclaimable blocks.
     pairs = np.unique(np.stack([ent_ten, ents], 1), axis=0) if len(ents) else np.zeros((0, 2), int)
     shared = np.zeros((ntn, npools), np.int64)
-    other = st.payer[pairs[:, 1]] != pairs[:, 0]
+    other = st.blocks.payer[pairs[:, 1]] != pairs[:, 0]
     np.add.at(shared, (pairs[other, 0], pools[pairs[other, 1]]), 1)
-    recl = payer_ok & (st.pin_count == 0) & (ref == payer_refs)
+    recl = payer_ok & (st.blocks.pin_count == 0) & (ref == payer_refs)
     reclaimable = np.zeros((ntn, npools), np.int64)
-    np.add.at(reclaimable, (st.payer[recl], pools[recl]), 1)
+    np.add.at(reclaimable, (st.blocks.payer[recl], pools[recl]), 1)
     device = np.asarray(config.device_pools)[pools]
-    slack = np.where(payer_ok & device, p - st.fill, 0)
+    slack = np.where(payer_ok & device, p - st.blocks.fill, 0)
     frag = np.zeros(ntn, np.int64)
-    np.add.at(frag, st.payer[payer_ok & device], slack[payer_ok & device])
+    np.add.at(frag, st.blocks.payer[payer_ok & device], slack[payer_ok & device])
     return dict(ref=ref, payer_refs=payer_refs, held=held, charged=charged, pinned=pinned,
                 used=used, shared=shared, reclaimable=reclaimable, fragmentation=frag,
                 pool_fragmentation=int(slack.sum()), pools=pools, live=live, tab=tab, ten=ten)
@@ -98,15 +92,7 @@ def recompute(config: StateConfig, st) -> dict:
 def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool = True) -> dict:
     """Raise InvariantError listing every difference; returns the recomputed figures if none."""
     problems: list[str] = []
-    ref_state = jax.eval_shape(lambda: init_state(config))
-    for name in ref_state.__dataclass_fields__:
-        want, got = getattr(ref_state, name), getattr(state, name)
-        if (want is None) != (got is None):
-            problems.append(f"{name}: presence differs from config (with_pages={config.with_pages})")
-        elif want is not None and (tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype):
-            problems.append(f"{name}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}")
-    if problems:
-        raise InvariantError(problems)
+    validate_state(config, state)  # StateMismatchError for anything not a state of config
     st = jax.device_get(state)
     nb, p, mb = config.total_blocks, config.block_size, config.max_blocks_per_seq
     ntn = config.num_tenants
@@ -114,41 +100,41 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     live, tab, ten, pools = r["live"], r["tab"], r["ten"], r["pools"]
 
     # Pools: fixed tier and precision.
-    _diff(problems, "tier", st.tier, np.asarray(config.pool_tiers)[pools])
-    _diff(problems, "precision", st.precision, np.asarray(config.pool_precisions)[pools])
+    _diff(problems, "tier", st.blocks.tier, np.asarray(config.pool_tiers)[pools])
+    _diff(problems, "precision", st.blocks.precision, np.asarray(config.pool_precisions)[pools])
 
     # Sequences.
-    _flag(problems, "unknown sequence status", ~np.isin(st.seq_status, [SEQ_FREE, SEQ_RUNNING]))
+    _flag(problems, "unknown sequence status", ~np.isin(st.seqs.seq_status, [SEQ_FREE, SEQ_RUNNING]))
     _flag(problems, "live sequence of an unregistered/invalid tenant",
-          live & ~((st.seq_tenant >= 0) & (st.seq_tenant < ntn)
-                   & st.registered[np.clip(st.seq_tenant, 0, ntn - 1)]))
+          live & ~((st.seqs.seq_tenant >= 0) & (st.seqs.seq_tenant < ntn)
+                   & st.tenants.registered[np.clip(st.seqs.seq_tenant, 0, ntn - 1)]))
     _flag(problems, "free sequence slot with data",
-          ~live & ((st.seq_tenant != INVALID) | (st.seq_lens != 0) | (st.positions != 0)
-                   | (st.block_tables != INVALID).any(1)))
+          ~live & ((st.seqs.seq_tenant != INVALID) | (st.seqs.seq_lens != 0) | (st.seqs.positions != 0)
+                   | (st.seqs.block_tables != INVALID).any(1)))
     _flag(problems, "live sequence length outside [1, MB*P]",
-          live & ((st.seq_lens < 1) | (st.seq_lens > mb * p)))
-    _diff(problems, "positions (no eviction yet: == seq_lens)", st.positions, st.seq_lens)
-    nblk = (np.clip(st.seq_lens, 0, mb * p) + p - 1) // p
+          live & ((st.seqs.seq_lens < 1) | (st.seqs.seq_lens > mb * p)))
+    _diff(problems, "positions (no eviction yet: == seq_lens)", st.seqs.positions, st.seqs.seq_lens)
+    nblk = (np.clip(st.seqs.seq_lens, 0, mb * p) + p - 1) // p
     k = np.arange(mb)[None, :]
     should = live[:, None] & (k < nblk[:, None])
     _flag(problems, "table entry missing or out of range", should & ~((tab >= 0) & (tab < nb)))
-    _flag(problems, "table entry past the sequence's blocks", ~should & (st.block_tables != INVALID))
+    _flag(problems, "table entry past the sequence's blocks", ~should & (st.seqs.block_tables != INVALID))
     if problems:  # the rest assumes well-formed tables
         raise InvariantError(problems)
 
     # Reference counts.
-    _diff(problems, "ref_count", st.ref_count, r["ref"])
-    _diff(problems, "payer_refs", st.payer_refs, r["payer_refs"])
-    _flag(problems, "negative pin_count", st.pin_count < 0)
+    _diff(problems, "ref_count", st.blocks.ref_count, r["ref"])
+    _diff(problems, "payer_refs", st.blocks.payer_refs, r["payer_refs"])
+    _flag(problems, "negative pin_count", st.blocks.pin_count < 0)
     held = r["held"]
 
     # Free lists: exactly the blocks held by nothing, per pool.
     for pool, (start, size) in enumerate(zip(config.pool_starts, config.pool_sizes)):
-        cnt = int(st.free_count[pool])
+        cnt = int(st.free.free_count[pool])
         if not 0 <= cnt <= size:
             problems.append(f"free_count[{pool}] = {cnt} outside [0, {size}]")
             continue
-        fl = st.free_list[start:start + cnt]
+        fl = st.free.free_list[start:start + cnt]
         if len(np.unique(fl)) != len(fl):
             problems.append(f"pool {pool} free list has duplicates")
         if ((fl < start) | (fl >= start + size)).any():
@@ -164,28 +150,34 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     # Free blocks are tombstones: not hashed, no fill, no payer or chain data, so no lookup can
     # return them. (Their token ids are left stale on purpose: every allocation rewrites them.)
     free = ~held
-    _flag(problems, "free block with a payer", free & (st.payer != INVALID))
-    _flag(problems, "free block with payer refs", free & (st.payer_refs != 0))
-    _flag(problems, "free block with fill", free & (st.fill != 0))
-    _flag(problems, "free block still hashed", free & (st.hashed | (st.block_hash != 0).any(1)))
+    _flag(problems, "free block with a payer", free & (st.blocks.payer != INVALID))
+    _flag(problems, "free block with payer refs", free & (st.blocks.payer_refs != 0))
+    _flag(problems, "free block with fill", free & (st.blocks.fill != 0))
+    _flag(problems, "free block still hashed", free & (st.blocks.hashed | (st.blocks.block_hash != 0).any(1)))
     _flag(problems, "free block with chain data",
-          free & ((st.parent != INVALID) | (st.parent_gen != 0) | (st.block_salt != 0)))
-    _flag(problems, "negative generation", st.generation < 0)
-    if check_pages and config.scrub_on_free and st.k_pages is not None:
-        dirty = (st.k_pages != 0).any(axis=(0, 1, 3, 4)) | (st.v_pages != 0).any(axis=(0, 1, 3, 4))
-        _flag(problems, "scrub_on_free: free page not zero", free[: config.num_blocks] & dirty)
+          free & ((st.blocks.parent != INVALID) | (st.blocks.parent_gen != 0) | (st.blocks.block_salt != 0)))
+    _flag(problems, "negative generation", st.blocks.generation < 0)
+    if check_pages and config.scrub_on_free:
+        for pool, pages in enumerate(st.pages):
+            dirty = np.zeros(config.pool_sizes[pool], bool)
+            for leaf in jax.tree_util.tree_leaves(pages):  # K, V (codes, scales, zero points)
+                dirty |= (np.asarray(leaf) != 0).reshape(leaf.shape[0], leaf.shape[1],
+                                                         leaf.shape[2], -1).any(axis=(0, 1, 3))
+            start = config.pool_starts[pool]
+            _flag(problems, f"scrub_on_free: free page of pool {pool} not zero",
+                  free[start: start + config.pool_sizes[pool]] & dirty)
 
     # Charges: one registered payer per held block, who references it unless it is pinned.
-    payer_c = np.clip(st.payer, 0, ntn - 1)
+    payer_c = np.clip(st.blocks.payer, 0, ntn - 1)
     _flag(problems, "held block without a registered payer",
-          held & ~((st.payer >= 0) & (st.payer < ntn) & st.registered[payer_c]))
+          held & ~((st.blocks.payer >= 0) & (st.blocks.payer < ntn) & st.tenants.registered[payer_c]))
     _flag(problems, "unpinned block whose payer holds no reference",
-          held & (st.pin_count == 0) & (r["payer_refs"] == 0))
+          held & (st.blocks.pin_count == 0) & (r["payer_refs"] == 0))
     ents_ok = tab >= 0
     ent_blk = tab[ents_ok]
     ent_ten = np.broadcast_to(ten[:, None], tab.shape)[ents_ok]
-    pay = st.payer[ent_blk]
-    cross = (pay != ent_ten) & (st.salt[np.clip(pay, 0, ntn - 1)] != st.salt[ent_ten])
+    pay = st.blocks.payer[ent_blk]
+    cross = (pay != ent_ten) & (st.tenants.salt[np.clip(pay, 0, ntn - 1)] != st.tenants.salt[ent_ten])
     if cross.any():
         problems.append(
             f"{int(cross.sum())} reference(s) to blocks paid by a tenant with another salt, "
@@ -193,44 +185,44 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
         )
 
     # Fill and token ids agree with every referencing sequence.
-    exp_fill = np.clip(st.seq_lens[:, None] - k * p, 0, p)
-    _diff(problems, "fill of referenced blocks", st.fill[ent_blk], exp_fill[ents_ok])
+    exp_fill = np.clip(st.seqs.seq_lens[:, None] - k * p, 0, p)
+    _diff(problems, "fill of referenced blocks", st.blocks.fill[ent_blk], exp_fill[ents_ok])
     j = np.arange(p)[None, :]
-    _flag(problems, "held block fill outside [1, P]", held & ((st.fill < 1) | (st.fill > p)))
+    _flag(problems, "held block fill outside [1, P]", held & ((st.blocks.fill < 1) | (st.blocks.fill > p)))
     _flag(problems, "token ids inconsistent with fill",
-          held & ((j < st.fill[:, None]) != (st.token_ids >= 0)).any(1))
+          held & ((j < st.blocks.fill[:, None]) != (st.blocks.token_ids >= 0)).any(1))
 
     # Prefix-cache chain: full blocks hashed with their chain value, parents consistent.
     full = ents_ok & (exp_fill == p)
-    salts = st.salt[np.clip(ten, 0, ntn - 1)]
+    salts = st.tenants.salt[np.clip(ten, 0, ntn - 1)]
     prev = salt_root(salts, config.hash_bits, xp=np)
     bad_hash = np.zeros(tab.shape, bool)
     for col in range(mb):
         rows = full[:, col]
         if not rows.any():
             break
-        h = block_hash(prev, st.token_ids[np.clip(tab[:, col], 0, nb - 1)], config.hash_bits, xp=np)
-        stored = st.block_hash[np.clip(tab[:, col], 0, nb - 1)]
-        bad_hash[:, col] = rows & ((stored != h).any(1) | ~st.hashed[np.clip(tab[:, col], 0, nb - 1)])
+        h = block_hash(prev, st.blocks.token_ids[np.clip(tab[:, col], 0, nb - 1)], config.hash_bits, xp=np)
+        stored = st.blocks.block_hash[np.clip(tab[:, col], 0, nb - 1)]
+        bad_hash[:, col] = rows & ((stored != h).any(1) | ~st.blocks.hashed[np.clip(tab[:, col], 0, nb - 1)])
         prev = h
     _flag(problems, "full block not hashed with its chain hash (seq, pos)", bad_hash)
-    _flag(problems, "partial block hashed", st.hashed & (st.fill < p))
-    _diff(problems, "block_salt of referenced blocks", st.block_salt[ent_blk],
+    _flag(problems, "partial block hashed", st.blocks.hashed & (st.blocks.fill < p))
+    _diff(problems, "block_salt of referenced blocks", st.blocks.block_salt[ent_blk],
           np.broadcast_to(salts[:, None], tab.shape)[ents_ok])
     prev_blk = np.concatenate([np.full((tab.shape[0], 1), INVALID), tab[:, :-1]], axis=1)
-    _diff(problems, "parent of referenced blocks", st.parent[ent_blk], prev_blk[ents_ok])
-    exp_gen = np.where(prev_blk >= 0, st.generation[np.clip(prev_blk, 0, nb - 1)], 0)
-    _diff(problems, "parent_gen of referenced blocks", st.parent_gen[ent_blk], exp_gen[ents_ok])
+    _diff(problems, "parent of referenced blocks", st.blocks.parent[ent_blk], prev_blk[ents_ok])
+    exp_gen = np.where(prev_blk >= 0, st.blocks.generation[np.clip(prev_blk, 0, nb - 1)], 0)
+    _diff(problems, "parent_gen of referenced blocks", st.blocks.parent_gen[ent_blk], exp_gen[ents_ok])
 
     # Ledger.
-    _diff(problems, "used_tokens", st.used_tokens, r["used"])
-    _diff(problems, "charged_blocks", st.charged_blocks, r["charged"])
-    _diff(problems, "pinned_blocks", st.pinned_blocks, r["pinned"])
-    held_per_pool = np.asarray(config.pool_sizes) - st.free_count
-    _diff(problems, "sum of charges vs held blocks per pool", st.charged_blocks.sum(0), held_per_pool)
-    _flag(problems, "negative quota", (st.token_quota < 0) | (st.byte_quota < 0))
+    _diff(problems, "used_tokens", st.tenants.used_tokens, r["used"])
+    _diff(problems, "charged_blocks", st.tenants.charged_blocks, r["charged"])
+    _diff(problems, "pinned_blocks", st.tenants.pinned_blocks, r["pinned"])
+    held_per_pool = np.asarray(config.pool_sizes) - st.free.free_count
+    _diff(problems, "sum of charges vs held blocks per pool", st.tenants.charged_blocks.sum(0), held_per_pool)
+    _flag(problems, "negative quota", (st.tenants.token_quota < 0) | (st.tenants.byte_quota < 0))
     _flag(problems, "unregistered tenant with a ledger",
-          ~st.registered & ((st.used_tokens != 0) | (st.charged_blocks != 0).any(1)))
+          ~st.tenants.registered & ((st.tenants.used_tokens != 0) | (st.tenants.charged_blocks != 0).any(1)))
     if problems:
         raise InvariantError(problems)
     return r

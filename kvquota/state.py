@@ -1,4 +1,4 @@
-"""The paged KV cache as one immutable pytree, and the static config that fixes its shapes.
+"""The paged KV cache as one immutable pytree of small sub-pytrees, and the static config.
 
 Layout (DESIGN.md §2 "State"):
 
@@ -7,12 +7,13 @@ Layout (DESIGN.md §2 "State"):
   `0 .. num_blocks - 1`. Then one device pool per compressed format (`compressed_pools`), then the
   host pool (full-precision format, host tier; kernels never read it). Each pool has its own free
   list. Tier and precision of a block are fixed by its pool.
-* **Pages.** Only pool 0 carries pages for now: `k_pages`, `v_pages`, each
-  `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]` (so `k_pages[l]` is the
-  `[Hkv, N, P, D]` layout the paged-attention kernels take). Compressed and host pools are
-  metadata-only in this version; the compression/offload work gives them storage following
-  `QuantSpec.data_shape` / `scale_shape`. With `with_pages=False` the whole state is metadata-only,
-  which is how the allocator runs at Qwen2.5-72B scale.
+* **Pages in every pool.** `KVState.pages[p]` holds pool p's K and V: full-precision arrays
+  `[L, Hkv, N_p, P, D]` for pool 0 (so `pages[0].k[l]` is the `[Hkv, N, P, D]` layout the
+  paged-attention kernels take), `QuantizedPages` with a leading `[L]` axis for each compressed
+  pool, and for the host pool full-precision arrays placed in host memory (`pinned_host`) wherever
+  the device offers it. A block's page index inside its pool is `block id - pool_starts[p]`.
+  With `with_pages=False` the state is metadata-only (`pages == ()`), which is how the allocator
+  runs at Qwen2.5-72B scale.
 * **Bytes.** JAX is 32-bit by default and a Qwen2.5-72B block is 5 MiB, so byte quantities in the
   state are counted in *units* of `config.unit_bytes` = gcd of the pools' bytes per block (every
   block is a whole number of units). Reports and ledgers convert to exact Python-int bytes on the
@@ -22,48 +23,22 @@ Layout (DESIGN.md §2 "State"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from configs.formats import KVFormat, get_kv_format
 from configs.models import ModelConfig
+from kernels.quantization import QuantizedPages, empty_quantized_pages
 from kvquota.accounting import KVLayout, check_positive
-from kvquota.formats import KVFormat, get_kv_format
+from kvquota.codes import INT32_MAX, TIER_DEVICE, TIER_HOST
+from kvquota.errors import StateMismatchError
 from kvquota.sentinel import INVALID
-
-# Sequence status (i8). Later reclaim work adds its fates as new values.
-SEQ_FREE = 0  # slot unused: tenant INVALID, empty table
-SEQ_RUNNING = 1  # holds its blocks, may append
-SEQ_PREEMPTED = 2  # reserved: archived, to be replayed by recomputing prefill
-SEQ_SUSPENDED = 3  # reserved: its blocks offloaded to the host pool
-
-# Block tier (i8): where a pool lives.
-TIER_DEVICE = 0
-TIER_HOST = 1
-
-# Reason codes (i32) in admit/append/fork reports; 0 means the request went through.
-OK = 0
-REFUSED_TOKEN_QUOTA = 1  # the tenant's token quota (logical usage) would be exceeded
-REFUSED_BYTE_QUOTA = 2  # the tenant's byte quota (resident bytes charged) would be exceeded
-REFUSED_POOL_FULL = 3  # not enough free blocks in the pool
-REFUSED_NO_SEQ_SLOT = 4  # no free sequence slot
-REFUSED_SEQ_FULL = 5  # the sequence's block table is full (append only)
-SKIPPED_PADDING = 6  # the row was padding (INVALID tenant or sequence id)
-REASONS = {
-    OK: "ok",
-    REFUSED_TOKEN_QUOTA: "over token quota",
-    REFUSED_BYTE_QUOTA: "over byte quota",
-    REFUSED_POOL_FULL: "pool full",
-    REFUSED_NO_SEQ_SLOT: "no sequence slot",
-    REFUSED_SEQ_FULL: "block table full",
-    SKIPPED_PADDING: "padding row",
-}
-
-INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +55,8 @@ class StateConfig:
       kv_format: full-precision format of pool 0 and the host pool ("bf16", "f32", ...).
       compressed_pools: (format name, blocks) for each compressed device pool, in pool order.
       host_blocks: blocks in the host pool (0: no host pool).
-      with_pages: allocate pool 0's `k_pages`/`v_pages` (False: metadata-only).
-      scrub_on_free: zero the pages of blocks returned to the pool.
+      with_pages: allocate every pool's pages (False: metadata-only, no page arrays at all).
+      scrub_on_free: zero the pages of blocks returned to any pool.
       lookup_candidates: equal-hash blocks checked per prefix lookup (token/parent check).
       hash_bits: bits kept per 32-bit hash word; < 32 only to force collisions in tests.
     """
@@ -213,31 +188,27 @@ class StateConfig:
     def max_tokens_per_seq(self) -> int:
         return self.max_blocks_per_seq * self.block_size
 
-    @property
-    def page_shape(self) -> tuple[int, ...]:
-        """Shape of `k_pages` / `v_pages`: [L, Hkv, N, P, D]."""
+    def page_shape(self, pool: int = 0) -> tuple[int, ...]:
+        """Logical shape of one of K or V of a pool's pages: [L, Hkv, N_pool, P, D]."""
         m = self.model
-        return (m.num_layers, m.num_kv_heads, self.num_blocks, self.block_size, m.head_dim)
+        return (m.num_layers, m.num_kv_heads, self.pool_sizes[pool], self.block_size, m.head_dim)
 
     @property
     def page_dtype(self):
+        """dtype of the full-precision pools (pool 0 and the host pool)."""
         return jnp.dtype(self.pool_formats[0].dtype)
 
 
+# ---- the state: one pytree of small sub-pytrees ---------------------------------------------------
+# NB = config.total_blocks, P = block_size, S = max_seqs, MB = max_blocks_per_seq, T = num_tenants,
+# POOLS = num_pools, L = layers, Hkv = KV heads, D = head_dim, N_p = blocks of pool p.
+# Empty entries hold INVALID.
+
+
 @struct.dataclass
-class KVState:
-    """The whole paged KV cache: pages, per-block metadata, sequences and the tenant ledger.
+class Blocks:
+    """Per-block metadata over all pools (global block ids)."""
 
-    NB = config.total_blocks, N = config.num_blocks (pool 0), P = block_size, S = max_seqs,
-    MB = max_blocks_per_seq, T = num_tenants, POOLS = num_pools. Empty entries hold INVALID.
-    Fields whose values a later reclaim op needs (tier, precision, status, positions) exist now.
-    """
-
-    # ---- pages of pool 0 (None when metadata-only) --------------------------------------------
-    k_pages: Optional[jax.Array]  # dtype[L, Hkv, N, P, D]
-    v_pages: Optional[jax.Array]  # dtype[L, Hkv, N, P, D]
-
-    # ---- per-block metadata --------------------------------------------------------------------
     ref_count: jax.Array  # i32[NB]  block-table entries (of live sequences) naming the block
     pin_count: jax.Array  # i32[NB]  pins, counted apart from references
     payer: jax.Array  # i32[NB]  tenant charged for the block; INVALID when free
@@ -253,18 +224,31 @@ class KVState:
     parent_gen: jax.Array  # i32[NB]  `generation` of `parent` when this block was created
     generation: jax.Array  # i32[NB]  bumped each time the block is freed (detects stale parents)
 
-    # ---- free lists: pool p's free ids are free_list[start_p : start_p + free_count[p]] -------
-    free_list: jax.Array  # i32[NB]  per-pool stacks; the top is popped first
+
+@struct.dataclass
+class FreeLists:
+    """Per-pool stacks of free block ids: pool p's are free_list[start_p : start_p + free_count[p]],
+    the top (highest index) popped first."""
+
+    free_list: jax.Array  # i32[NB]
     free_count: jax.Array  # i32[POOLS]
 
-    # ---- per-sequence tables ---------------------------------------------------------------
+
+@struct.dataclass
+class Sequences:
+    """Per-sequence-slot tables."""
+
     block_tables: jax.Array  # i32[S, MB]  global block ids; INVALID past the sequence's blocks
     seq_lens: jax.Array  # i32[S]  cached tokens: slots held in the table (K/V written by the caller)
     positions: jax.Array  # i32[S]  logical (RoPE) position of the next token
     seq_tenant: jax.Array  # i32[S]  owning tenant; INVALID for a free slot
-    seq_status: jax.Array  # i8[S]  SEQ_FREE / SEQ_RUNNING / ...
+    seq_status: jax.Array  # i8[S]  kvquota.codes SEQ_FREE / SEQ_RUNNING / ...
 
-    # ---- tenant ledger -----------------------------------------------------------------------
+
+@struct.dataclass
+class Tenants:
+    """The tenant ledger: quotas, leases, salts and what each tenant uses and is charged."""
+
     registered: jax.Array  # bool[T]
     token_quota: jax.Array  # i32[T]  cap on used_tokens
     byte_quota: jax.Array  # i32[T]  cap on device-resident charged bytes, in units of unit_bytes
@@ -275,57 +259,53 @@ class KVState:
     pinned_blocks: jax.Array  # i32[T, POOLS]  charged blocks with pin_count > 0
 
 
-# ---- hashing --------------------------------------------------------------------------------
-# Chained block hash, as in vLLM's prefix cache: h_k = f(h_{k-1}, tokens of block k), with the
-# chain seeded from the tenant's salt. Each 32-bit word runs its own chain with its own seed;
-# mixing uses the MurmurHash3 32-bit finalizer (Appleby), which is a bijection on uint32.
-# This is not a keyed cryptographic hash: a hit is only accepted after the token ids, salt and
-# parent block are checked, so a collision can cost a miss, never a wrong block.
-_M1 = 0x85EBCA6B
-_M2 = 0xC2B2AE35
-_GOLDEN = 0x9E3779B1
-HASH_SEEDS = (0x243F6A88, 0x85A308D3)  # digits of pi, one per word
+Pages = Union[jax.Array, QuantizedPages]
 
 
-def _fmix32(h, xp):
-    h = h ^ (h >> xp.uint32(16))
-    h = h * xp.uint32(_M1)
-    h = h ^ (h >> xp.uint32(13))
-    h = h * xp.uint32(_M2)
-    return h ^ (h >> xp.uint32(16))
+@struct.dataclass
+class PoolPages:
+    """K and V pages of one pool: dtype[L, Hkv, N_p, P, D] for full-precision pools (host memory
+    for the host pool), or `QuantizedPages` whose arrays carry a leading [L] axis."""
+
+    k: Pages
+    v: Pages
 
 
-def _hash_mask(bits: int) -> int:
-    return (1 << bits) - 1
+_GROUPS = {"blocks": Blocks, "free": FreeLists, "seqs": Sequences, "tenants": Tenants}
+_FIELD_GROUP = {f.name: g for g, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
 
 
-def salt_root(salt, bits: int = 32, xp=jnp):
-    """u32[..., 2]: the chain value before the first block, from a u32 salt."""
-    salt = xp.asarray(salt).astype(xp.uint32)
-    words = [_fmix32(salt ^ xp.uint32(seed), xp) for seed in HASH_SEEDS]
-    return xp.stack(words, axis=-1) & xp.uint32(_hash_mask(bits))
+@struct.dataclass
+class KVState:
+    """The whole paged KV cache: pages of every pool, per-block metadata, free lists, sequences
+    and the tenant ledger. Only arrays; the sizes live in `StateConfig`."""
 
+    pages: tuple[PoolPages, ...]  # one entry per pool; () when metadata-only
+    blocks: Blocks
+    free: FreeLists
+    seqs: Sequences
+    tenants: Tenants
 
-def block_hash(prev, tokens, bits: int = 32, xp=jnp):
-    """u32[..., 2] hash of a full block from the previous chain value u32[..., 2], tokens i32[..., P]."""
-    tokens = xp.asarray(tokens).astype(xp.uint32)
-    words = []
-    for w, seed in enumerate(HASH_SEEDS):
-        h = prev[..., w]
-        for j in range(tokens.shape[-1]):
-            h = _fmix32(h ^ (tokens[..., j] * xp.uint32(_GOLDEN) + xp.uint32(seed)), xp)
-        words.append(h)
-    return xp.stack(words, axis=-1) & xp.uint32(_hash_mask(bits))
+    def update(self, **fields) -> "KVState":
+        """A copy with the named leaf fields replaced, each routed to its sub-pytree
+        (`state.update(ref_count=..., seq_lens=...)`), so a core that touches several
+        sub-pytrees reads as one list of new values."""
+        groups: dict[str, dict] = {}
+        for name, value in fields.items():
+            if name not in _FIELD_GROUP:
+                raise TypeError(f"KVState has no field {name!r}")
+            groups.setdefault(_FIELD_GROUP[name], {})[name] = value
+        return self.replace(**{g: getattr(self, g).replace(**kv) for g, kv in groups.items()})
 
-
-def private_salt(tenant: int) -> int:
-    """Default salt of a tenant: distinct per tenant id (fmix32 is a bijection)."""
-    return int(_fmix32(np.array([tenant + 1], np.uint32), np)[0])
-
-
-def group_salt(group: int) -> int:
-    """Salt of a sharing group: tenants registered with the same group share prefix blocks."""
-    return int(_fmix32(np.array([0x80000000 | group], np.uint32), np)[0])
+    @classmethod
+    def from_fields(cls, pages: tuple, **fields) -> "KVState":
+        """Build a state from its flat leaf fields (every field of every sub-pytree)."""
+        missing = set(_FIELD_GROUP) - set(fields)
+        if missing:
+            raise TypeError(f"missing state fields: {sorted(missing)}")
+        kw = {g: c(**{f.name: jnp.asarray(fields[f.name]) for f in dataclasses.fields(c)})
+              for g, c in _GROUPS.items()}
+        return cls(pages=tuple(pages), **kw)
 
 
 def pool_of(config: StateConfig, block_ids, xp=jnp):
@@ -335,6 +315,43 @@ def pool_of(config: StateConfig, block_ids, xp=jnp):
     for start in config.pool_starts[1:]:
         pool = pool + (ids >= start).astype(xp.int32)
     return pool
+
+
+def host_sharding():
+    """Where the host pool lives: `pinned_host` memory of the default device when it offers it
+    (the CPU backend of jax >= 0.10 does; so do GPUs), else None (ordinary device memory)."""
+    device = jax.devices()[0]
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except (AttributeError, NotImplementedError):  # backends without memory spaces
+        return None
+    if "pinned_host" not in kinds:
+        return None
+    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+
+
+def init_pages(config: StateConfig) -> tuple[PoolPages, ...]:
+    """Zeroed pages for every pool (pool order), or () for a metadata-only config."""
+    if not config.with_pages:
+        return ()
+    m = config.model
+    pages = []
+    for pool, fmt in enumerate(config.pool_formats):
+        shape = config.page_shape(pool)
+        if fmt.quantized:
+            pair = []
+            for role in ("key", "value"):
+                one = jax.eval_shape(lambda r=role: empty_quantized_pages(
+                    fmt, r, m.num_kv_heads, shape[2], config.block_size, m.head_dim))
+                pair.append(jax.tree.map(lambda a: jnp.zeros((m.num_layers,) + a.shape, a.dtype),
+                                         one))
+            pages.append(PoolPages(k=pair[0], v=pair[1]))
+            continue
+        k, v = (jnp.zeros(shape, config.page_dtype) for _ in range(2))
+        if pool == config.host_pool and host_sharding() is not None:
+            k, v = (jax.device_put(a, host_sharding()) for a in (k, v))
+        pages.append(PoolPages(k=k, v=v))
+    return tuple(pages)
 
 
 def init_state(config: StateConfig) -> KVState:
@@ -349,40 +366,81 @@ def init_state(config: StateConfig) -> KVState:
     prec = np.concatenate([
         np.full(n, pr, np.int8) for n, pr in zip(config.pool_sizes, config.pool_precisions)
     ])
-    pages = None, None
-    if config.with_pages:
-        pages = tuple(jnp.zeros(config.page_shape, config.page_dtype) for _ in range(2))
-    i32 = lambda shape, v=0: jnp.full(shape, v, jnp.int32)  # noqa: E731
-    return KVState(
-        k_pages=pages[0],
-        v_pages=pages[1],
+    i32 = lambda shape, v=0: np.full(shape, v, np.int32)  # noqa: E731
+    return KVState.from_fields(
+        init_pages(config),
         ref_count=i32((nb,)),
         pin_count=i32((nb,)),
         payer=i32((nb,), INVALID),
         payer_refs=i32((nb,)),
-        tier=jnp.asarray(tier),
-        precision=jnp.asarray(prec),
+        tier=tier,
+        precision=prec,
         fill=i32((nb,)),
         token_ids=i32((nb, p), INVALID),
-        block_hash=jnp.zeros((nb, 2), jnp.uint32),
-        hashed=jnp.zeros((nb,), bool),
-        block_salt=jnp.zeros((nb,), jnp.uint32),
+        block_hash=np.zeros((nb, 2), np.uint32),
+        hashed=np.zeros((nb,), bool),
+        block_salt=np.zeros((nb,), np.uint32),
         parent=i32((nb,), INVALID),
         parent_gen=i32((nb,)),
         generation=i32((nb,)),
-        free_list=jnp.asarray(free_list),
-        free_count=jnp.asarray(np.array(config.pool_sizes, np.int32)),
+        free_list=free_list,
+        free_count=np.array(config.pool_sizes, np.int32),
         block_tables=i32((s, mb), INVALID),
         seq_lens=i32((s,)),
         positions=i32((s,)),
         seq_tenant=i32((s,), INVALID),
-        seq_status=jnp.zeros((s,), jnp.int8),
-        registered=jnp.zeros((t,), bool),
+        seq_status=np.zeros((s,), np.int8),
+        registered=np.zeros((t,), bool),
         token_quota=i32((t,)),
         byte_quota=i32((t,)),
         lease_expiry=i32((t,)),
-        salt=jnp.zeros((t,), jnp.uint32),
+        salt=np.zeros((t,), np.uint32),
         used_tokens=i32((t,)),
         charged_blocks=i32((t, npools)),
         pinned_blocks=i32((t, npools)),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _expected(config: StateConfig):
+    """(treedef, leaf ShapeDtypeStructs, boundary ids) of a state of `config`."""
+    shapes = jax.eval_shape(lambda: init_state(config))
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+    bounds = sorted({i for s, n in zip(config.pool_starts, config.pool_sizes) for i in (s, s + n - 1)})
+    return treedef, list(zip(paths, leaves)), np.asarray(bounds, np.int32)
+
+
+def validate_state(config: StateConfig, state) -> None:
+    """Raise StateMismatchError unless `state` is a live KVState of exactly this config.
+
+    Checks the pytree structure (a leaf that is a list or None changes it), every leaf's type,
+    shape and dtype (an int64 leaf is rejected, never cast), that no leaf was donated to an
+    earlier call, and the tier/precision of each pool's first and last block, so a state of
+    another config whose arrays happen to have the same shapes (a different pool split) is
+    refused too. Host reads: 2 x POOLS bytes.
+    """
+    if not isinstance(state, KVState):
+        raise StateMismatchError(f"expected a KVState, got {type(state).__name__}")
+    treedef, expected, bounds = _expected(config)
+    leaves, got_def = jax.tree_util.tree_flatten(state)
+    if got_def != treedef:
+        raise StateMismatchError(
+            "state structure does not match this config (a field that is None or a list, pages "
+            f"of another pool layout, or with_pages={config.with_pages} differs)")
+    for (path, want), leaf in zip(expected, leaves):
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            raise StateMismatchError(f"state field {path} is a {type(leaf).__name__}, not an array")
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise StateMismatchError(f"state field {path} was donated to an earlier call")
+        if tuple(leaf.shape) != tuple(want.shape) or leaf.dtype != want.dtype:
+            raise StateMismatchError(
+                f"state field {path} is {leaf.dtype}{tuple(leaf.shape)}, this config needs "
+                f"{want.dtype}{tuple(want.shape)}")
+    got = np.asarray(jnp.stack([state.blocks.tier[bounds].astype(jnp.int32),
+                                state.blocks.precision[bounds].astype(jnp.int32)]))
+    pools = pool_of(config, bounds, xp=np)
+    want = np.stack([np.asarray(config.pool_tiers)[pools], np.asarray(config.pool_precisions)[pools]])
+    if not np.array_equal(got, want):
+        raise StateMismatchError("state belongs to another config: its pools' tiers or precisions "
+                                 "differ (a different pool split)")

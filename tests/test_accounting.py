@@ -9,7 +9,7 @@ import pytest
 from configs.models import MODELS, get_model_config
 from experiments.accounting import accounting, source_figures
 from kvquota.accounting import KVLayout, tenant_footprint
-from kvquota.formats import KV_FORMATS, get_kv_format
+from configs.formats import KV_FORMATS, get_kv_format
 
 
 def test_qwen7b_source_figures():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvquota.formats import KV_FORMATS, UnknownFormatError, get_kv_format
+from configs.formats import KV_FORMATS, UnknownFormatError, get_kv_format
 
 # Hand arithmetic for one KV head, one layer, block of 16 tokens, head_dim 64 (K page + V page).
 #   bf16/f16: 2 x 16*64*2 = 4096            f32: 8192          fp8: 2048

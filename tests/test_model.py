@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from configs.models import get_model_config
-from kvquota import engine as E
+from kvquota import serving as E
 from kvquota import model as M
+from kvquota.errors import ContextTooLongError
 from kvquota.state import StateConfig
 
 ATOL = {"float32": 1e-4}  # logits, paged vs dense (issue #5)
@@ -33,8 +34,8 @@ def _prompts(vocab, lengths, seed):
 def _nan_pages(engine):
     """Fills the state's pages with NaN: only slots the model wrote may ever be read."""
     s = engine.state
-    engine.state = s.replace(k_pages=jnp.full_like(s.k_pages, jnp.nan),
-                             v_pages=jnp.full_like(s.v_pages, jnp.nan))
+    engine.state = s.replace(pages=(s.pages[0].replace(k=jnp.full_like(s.pages[0].k, jnp.nan),
+                                                       v=jnp.full_like(s.pages[0].v, jnp.nan)),) + s.pages[1:])
 
 
 def _paged(config, params, *, tenants=4, share=None, num_blocks=96, block_size=8, chunk=16):
@@ -109,11 +110,11 @@ def test_paged_matches_dense_mixed_batch(model):
     state = paged.state
     for b in range(3):
         sid = int(seq_ids[b])
-        n = int(state.seq_lens[sid])
+        n = int(state.seqs.seq_lens[sid])
         assert n == dense._lens[b]
-        blocks = np.asarray(state.block_tables[sid])
+        blocks = np.asarray(state.seqs.block_tables[sid])
         idx = np.arange(n)
-        k_paged = np.asarray(state.k_pages)[:, :, blocks[idx // 8], idx % 8]  # [L, Hkv, n, D]
+        k_paged = np.asarray(state.pages[0].k)[:, :, blocks[idx // 8], idx % 8]  # [L, Hkv, n, D]
         k_dense = np.asarray(dense.cache.k)[:, b, :, :n]
         np.testing.assert_allclose(k_paged, k_dense, rtol=0, atol=ATOL["float32"])
 
@@ -128,7 +129,7 @@ def test_generate_paged_equals_dense_greedy():
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert all(g.finish == "length" and len(g.tokens) == 10 for g in got)
     # Released at the end: the ledger is back to zero and the invariants hold.
-    assert int(np.asarray(paged.state.used_tokens).sum()) == 0
+    assert int(np.asarray(paged.state.tenants.used_tokens).sum()) == 0
     paged.allocator.check(paged.state)
 
 
@@ -212,11 +213,11 @@ def test_stop_ids_end_generation():
 def test_context_past_the_preset_limit_is_refused():
     config = get_model_config("tiny-qwen")  # max_context 512
     params = M.init_params(config, seed=0)
-    with pytest.raises(M.ContextTooLongError, match="max_context 512"):
+    with pytest.raises(ContextTooLongError, match="max_context 512"):
         E.score(config, params, [1] * 513)
-    with pytest.raises(M.ContextTooLongError, match="max_context 512"):
+    with pytest.raises(ContextTooLongError, match="max_context 512"):
         E.generate(config, params, [[1] * 500], 13)
-    with pytest.raises(M.ContextTooLongError):
+    with pytest.raises(ContextTooLongError):
         E.DenseEngine(config, params, capacity=1024)
     with pytest.raises(ValueError, match="outside"):
         E.generate(config, params, [[config.vocab_size]], 1)
@@ -250,10 +251,10 @@ def test_generation_past_the_cache_capacity_is_refused_up_front():
                      max_blocks_per_seq=4, num_tenants=1, kv_format="f32")
     eng = E.PagedEngine(config, params, sc, chunk_size=16)
     eng.register_tenant(0, token_quota=100, byte_quota=eng.max_byte_quota)
-    with pytest.raises(M.ContextTooLongError, match="holds 32 per sequence"):
+    with pytest.raises(ContextTooLongError, match="holds 32 per sequence"):
         eng.generate([[1] * 30], 4, tenants=[0])  # 30 + 3 appended > 32
-    assert int(np.asarray(eng.state.seq_status).sum()) == 0  # nothing admitted
-    with pytest.raises(M.ContextTooLongError, match="holds 16 per sequence"):
+    assert int(np.asarray(eng.state.seqs.seq_status).sum()) == 0  # nothing admitted
+    with pytest.raises(ContextTooLongError, match="holds 16 per sequence"):
         E.DenseEngine(config, params, capacity=16).generate([[1] * 10], 8)
     # Exactly full is fine: 29 + 3 appended = 32 slots (the 4th token is only sampled).
     assert len(eng.generate([[1] * 29], 4, tenants=[0])[0].tokens) == 4

@@ -13,10 +13,10 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from configs.models import get_model_config
 from experiments import generate as generate_cli
-from kvquota import engine as E
+from kvquota import serving as E
 from kvquota import model as M
-from kvquota import tokenizer as tk
-from kvquota import weights
+from kvquota.model import tokenizer as tk
+from kvquota.model import weights
 
 MODEL = "tiny-qwen-untied"  # vocab 320: 256 byte tokens + 3 specials fit
 CHATML = (

@@ -15,7 +15,8 @@ import pytest
 from pydoc_data.topics import topics
 
 from configs.models import get_model_config
-from kvquota import engine, tokenizer, weights
+from kvquota import serving as engine
+from kvquota.model import tokenizer, weights
 
 NUM_TOKENS = 320
 

@@ -3,8 +3,8 @@
 import pytest
 from pydoc_data.topics import topics
 
-from kvquota import tokenizer as tk
-from kvquota import weights
+from kvquota.model import tokenizer as tk
+from kvquota.model import weights
 
 
 @pytest.fixture(scope="module")

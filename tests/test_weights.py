@@ -10,7 +10,7 @@ import pytest
 
 from configs.models import get_model_config
 from kvquota import model as M
-from kvquota import weights
+from kvquota.model import weights
 
 
 def _logits(config, params, tokens):

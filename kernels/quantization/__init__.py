@@ -1,4 +1,4 @@
-"""Quantized KV pages (the layout of `kvquota.formats`) and their quantize/dequantize helpers."""
+"""Quantized KV pages (the layout of `configs.formats`) and their quantize/dequantize helpers."""
 
 from kernels.quantization.pages import (
     QuantizedPages,

@@ -1,6 +1,6 @@
 """Quantized KV pages: the pytree the kernels read, and quantize/dequantize helpers.
 
-The array layout is the one `kvquota.formats.QuantSpec` defines, so a pool built here has exactly
+The array layout is the one `configs.formats.QuantSpec` defines, so a pool built here has exactly
 the bytes the ledger charges: packed codes `[H, N, P, D*bits/8]` (low bits first along channels),
 bf16 scales `[H, N, P, D/group]` (per token) or `[H, N, 1, D]` (per channel, KIVI keys) and, for
 asymmetric specs, bf16 zero points of the same shape.
@@ -23,7 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvquota.formats import KVFormat, QuantSpec, get_kv_format
+from configs.formats import KVFormat, QuantSpec, get_kv_format
 
 
 @flax.struct.dataclass
@@ -212,7 +212,7 @@ def quantize_kv(
 def empty_quantized_pages(
     kv_format: KVFormat | str, role: str, heads: int, blocks: int, block_size: int, head_dim: int
 ) -> QuantizedPages:
-    """A zero-filled quantized pool with the layout of `kvquota.formats` (for the state)."""
+    """A zero-filled quantized pool with the layout of `configs.formats` (for the state)."""
     fmt, spec = _spec_for(kv_format, role)
     shape = spec.scale_shape(heads, blocks, block_size, head_dim)
     data = jnp.zeros(spec.data_shape(heads, blocks, block_size, head_dim), spec.data_dtype)

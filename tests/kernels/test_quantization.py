@@ -13,7 +13,7 @@ from kernels.quantization import (
     quantize_pages,
     unpack_codes,
 )
-from kvquota.formats import get_kv_format
+from configs.formats import get_kv_format
 
 FORMATS = ["int8", "int4", "kivi2", "kivi4"]
 

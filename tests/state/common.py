@@ -59,9 +59,9 @@ def prompts(rows, width=ADMIT_T):
 
 def seq_tokens(state, seq, p):
     """The token ids a sequence's table spells out (reads blocks through the table)."""
-    n = int(state.seq_lens[seq])
-    table = np.asarray(state.block_tables[seq])
-    toks = np.asarray(state.token_ids)
+    n = int(state.seqs.seq_lens[seq])
+    table = np.asarray(state.seqs.block_tables[seq])
+    toks = np.asarray(state.blocks.token_ids)
     return [int(toks[table[i // p], i % p]) for i in range(n)]
 
 

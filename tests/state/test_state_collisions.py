@@ -9,7 +9,7 @@ import pytest
 
 from kvquota.allocator import Allocator
 from kvquota.errors import InvariantError
-from kvquota.state import block_hash, salt_root
+from kvquota.hashing import block_hash, salt_root
 from tests.state.common import TINY, fresh, prompts, seq_tokens
 
 P = TINY.block_size
@@ -29,22 +29,22 @@ def test_all_hashes_equal_never_return_wrong_block():
     s, _ = alloc.register_tenant(s, 1, token_quota=100, byte_quota=8 * 1024)
     s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5])]))  # blocks 0=(1,2) 1=(3,4) 2=(5)
     alloc.check(s)
-    assert _ints(s.block_hash[:2]) == [[0, 0], [0, 0]]
+    assert _ints(s.blocks.block_hash[:2]) == [[0, 0], [0, 0]]
     # (5, 6) collides with blocks 0 and 1 by hash, but their tokens differ: miss.
     s, r = alloc.admit(s, *prompts([(0, [5, 6, 3, 4, 9])]))  # new 3=(5,6) 4=(3,4) 5=(9)
     alloc.check(s)
-    assert _ints(r.cached_tokens)[0] == 0 and _ints(s.block_tables[1])[:3] == [3, 4, 5]
+    assert _ints(r.cached_tokens)[0] == 0 and _ints(s.seqs.block_tables[1])[:3] == [3, 4, 5]
     # [5 6 | 3 4 | 7]: block 0 hits 3. For (3, 4) both 1 and 4 match hash and tokens, but 1
     # follows (1, 2): its K/V belong to another context. The parent check picks 4.
     s, r = alloc.admit(s, *prompts([(0, [5, 6, 3, 4, 7])]))
     alloc.check(s)
-    assert _ints(r.cached_tokens)[0] == 4 and _ints(s.block_tables[2])[:2] == [3, 4]
+    assert _ints(r.cached_tokens)[0] == 4 and _ints(s.seqs.block_tables[2])[:2] == [3, 4]
     # [1 2 | 5 6 | 8]: (1, 2) hits 0; (5, 6) = block 3 has no parent -> miss after one block.
     s, _ = alloc.free(s, [2])
     s, r = alloc.admit(s, *prompts([(0, [1, 2, 5, 6, 8])]))
     alloc.check(s)
-    assert _ints(r.cached_tokens)[0] == 2 and int(s.block_tables[2, 0]) == 0
-    assert int(s.block_tables[2, 1]) not in (3, 4)
+    assert _ints(r.cached_tokens)[0] == 2 and int(s.seqs.block_tables[2, 0]) == 0
+    assert int(s.seqs.block_tables[2, 1]) not in (3, 4)
     # Another tenant (private salt) never hits, whatever the hash says (room made first).
     s, _ = alloc.free(s, [1])
     s, r = alloc.admit(s, *prompts([(1, [1, 2, 3, 4, 5])]))
@@ -59,15 +59,15 @@ def test_forced_collision_on_stored_hash_is_caught_by_token_check():
     alloc, s = fresh()
     s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5])]))  # block 0 = (1, 2)
     # Give block 0 the full 2 x 32-bit hash that the prompt block (7, 8) of tenant 0 will have.
-    root = salt_root(np.asarray(s.salt)[[0]], xp=np)
+    root = salt_root(np.asarray(s.tenants.salt)[[0]], xp=np)
     forged = block_hash(root, np.array([[7, 8]], np.int32), xp=np)[0]
-    s = s.replace(block_hash=s.block_hash.at[0].set(forged))
+    s = s.update(block_hash=s.blocks.block_hash.at[0].set(forged))
     with pytest.raises(InvariantError):  # the corruption itself is visible to the checker
         alloc.check(s)
     s, r = alloc.admit(s, *prompts([(0, [7, 8, 9])]))
     assert _ints(r.cached_tokens)[0] == 0 and _ints(r.hit_blocks)[0] == 0
     seq = int(r.seq_id[0])
-    assert int(s.block_tables[seq, 0]) != 0 and seq_tokens(s, seq, P) == [7, 8, 9]
+    assert int(s.seqs.block_tables[seq, 0]) != 0 and seq_tokens(s, seq, P) == [7, 8, 9]
 
 
 def test_same_batch_prompts_do_not_hit_each_other():
@@ -77,5 +77,5 @@ def test_same_batch_prompts_do_not_hit_each_other():
     s, r = alloc.admit(s, *prompts([(0, [1, 2, 3]), (0, [1, 2, 3])]))
     alloc.check(s)
     assert _ints(r.cached_tokens) == [0, 0]
-    assert _ints(s.block_tables[0])[:2] == [0, 1] and _ints(s.block_tables[1])[:2] == [2, 3]
+    assert _ints(s.seqs.block_tables[0])[:2] == [0, 1] and _ints(s.seqs.block_tables[1])[:2] == [2, 3]
     jax.block_until_ready(s)

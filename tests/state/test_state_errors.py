@@ -13,7 +13,7 @@ import pytest
 from kvquota import errors as E
 from kvquota.allocator import Allocator
 from kvquota.sentinel import INVALID
-from kvquota.state import INT32_MAX
+from kvquota.codes import INT32_MAX
 from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts, snapshot
 
 
@@ -137,9 +137,9 @@ def test_bad_input_raises_and_leaves_state_unchanged(setup, name, error, call, d
 
 def test_donated_state_cannot_be_reused():
     alloc, s = fresh()
-    s2, _ = alloc.admit_donated(jax.tree_util.tree_map(lambda x: x.copy(), s), *_ok_prompt())
+    s2, _ = alloc.admit(jax.tree_util.tree_map(lambda x: x.copy(), s), *_ok_prompt(), donate=True)
     consumed = jax.tree_util.tree_map(lambda x: x.copy(), s2)
-    alloc.append_donated(consumed, [0, INVALID], [5, 0])
+    alloc.append(consumed, [0, INVALID], [5, 0], donate=True)
     if not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(consumed)):
         pytest.skip("this backend ignored donation")
     with pytest.raises(E.StateMismatchError):

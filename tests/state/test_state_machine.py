@@ -52,7 +52,7 @@ class KVStateMachine(RuleBasedStateMachine):
         assert leaves_equal(before, self.state)
 
     def _free_bytes(self):
-        return int((np.asarray(self.state.free_count, np.int64) * np.asarray(TINY.pool_bytes)).sum())
+        return int((np.asarray(self.state.free.free_count, np.int64) * np.asarray(TINY.pool_bytes)).sum())
 
     # ---- tenants -------------------------------------------------------------------------
     @rule(t=tenant_st, tq=st.integers(0, 24), bq=st.integers(0, 9),
@@ -74,7 +74,7 @@ class KVStateMachine(RuleBasedStateMachine):
         if t not in self.registered:
             self._expect_error(E.UnknownTenantError, call)
             return
-        used = int(self.state.used_tokens[t])
+        used = int(self.state.tenants.used_tokens[t])
         self.state, rep = call()
         assert int(rep.tokens_over) == max(used - tq, 0)
 
@@ -88,7 +88,7 @@ class KVStateMachine(RuleBasedStateMachine):
             self._expect_error(E.QuotaValueError, call)
             return
         self.state, _ = call()
-        assert int(self.state.lease_expiry[t]) == lease
+        assert int(self.state.tenants.lease_expiry[t]) == lease
         assert t in ALLOC.expired_tenants(self.state, lease).tolist()
 
     # ---- sequences -----------------------------------------------------------------------
@@ -99,11 +99,11 @@ class KVStateMachine(RuleBasedStateMachine):
         if any(t != INVALID and t not in self.registered for t, _ in rows):
             self._expect_error(E.UnknownTenantError, lambda: ALLOC.admit(self.state, *args, donate=donate))
             return
-        free0 = int(self.state.free_count[0])
+        free0 = int(self.state.free.free_count[0])
         self.state, rep = ALLOC.admit(self.state, *args, donate=donate)
         adm, seq, cached, new = (np.asarray(x) for x in (rep.admitted, rep.seq_id, rep.cached_tokens,
                                                           rep.new_blocks))
-        assert free0 - int(self.state.free_count[0]) == int(new.sum())
+        assert free0 - int(self.state.free.free_count[0]) == int(new.sum())
         for i, (t, ids) in enumerate(rows):
             if not adm[i]:
                 assert seq[i] == INVALID and new[i] == 0
@@ -130,7 +130,7 @@ class KVStateMachine(RuleBasedStateMachine):
         ok, blk, off = (np.asarray(x) for x in (rep.appended, rep.block, rep.offset))
         for i, s in enumerate(seqs):
             if ok[i]:
-                assert int(self.state.token_ids[blk[i], off[i]]) == toks[i]
+                assert int(self.state.blocks.token_ids[blk[i], off[i]]) == toks[i]
                 self.tokens[s].append(toks[i])
             else:
                 assert blk[i] == INVALID
@@ -161,21 +161,21 @@ class KVStateMachine(RuleBasedStateMachine):
     @rule(block=st.integers(0, TINY.total_blocks - 1), donate=st.booleans())
     def pin_block(self, block, donate):
         call = lambda: ALLOC.pin_blocks(self.state, [block, INVALID], donate=donate)  # noqa: E731
-        held = int(self.state.ref_count[block]) > 0 or int(self.state.pin_count[block]) > 0
+        held = int(self.state.blocks.ref_count[block]) > 0 or int(self.state.blocks.pin_count[block]) > 0
         if not held:  # pinning a free block is an error
             self._expect_error(E.BlockStateError, call)
             return
-        pins = int(self.state.pin_count[block])
+        pins = int(self.state.blocks.pin_count[block])
         self.state, rep = call()
         assert int(rep.pin_count[0]) == pins + 1
 
     @rule(block=st.integers(0, TINY.total_blocks - 1), pick_pinned=st.booleans(), donate=st.booleans())
     def unpin(self, block, pick_pinned, donate):
-        pinned = np.flatnonzero(np.asarray(self.state.pin_count) > 0)
+        pinned = np.flatnonzero(np.asarray(self.state.blocks.pin_count) > 0)
         if pick_pinned and len(pinned):
             block = int(pinned[block % len(pinned)])
         call = lambda: ALLOC.unpin_blocks(self.state, [block, INVALID], donate=donate)  # noqa: E731
-        if int(self.state.pin_count[block]) == 0:
+        if int(self.state.blocks.pin_count[block]) == 0:
             self._expect_error(E.BlockStateError, call)
             return
         before = self._free_bytes()
@@ -206,9 +206,9 @@ class KVStateMachine(RuleBasedStateMachine):
         self.state, rep = call()
         assert rep.pool_bytes_returned == self._free_bytes() - before
         assert int(rep.seqs_freed) == len(mine)
-        assert int(self.state.used_tokens[t]) == 0
+        assert int(self.state.tenants.used_tokens[t]) == 0
         if unpin:
-            assert int(np.asarray(self.state.pinned_blocks[t]).sum()) == 0
+            assert int(np.asarray(self.state.tenants.pinned_blocks[t]).sum()) == 0
         for s in mine:
             del self.tokens[s], self.tenant_of[s]
 
@@ -216,11 +216,11 @@ class KVStateMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         ALLOC.check(self.state)
-        live = {int(s) for s in np.flatnonzero(np.asarray(self.state.seq_status) != 0)}
+        live = {int(s) for s in np.flatnonzero(np.asarray(self.state.seqs.seq_status) != 0)}
         assert live == set(self.tokens)
         for s, toks in self.tokens.items():  # each table spells exactly its own tokens
             assert seq_tokens(self.state, s, P) == toks
-            assert int(self.state.seq_tenant[s]) == self.tenant_of[s]
+            assert int(self.state.seqs.seq_tenant[s]) == self.tenant_of[s]
         led = ALLOC.ledger(self.state)
         want = recompute(TINY, jax.device_get(self.state))
         assert np.asarray(led.shared_blocks).tolist() == want["shared"].tolist()

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvquota import state as st
+from kvquota import codes as st
 from kvquota.allocator import Allocator
 from kvquota.invariants import recompute
 from kvquota.sentinel import INVALID
@@ -33,8 +33,8 @@ def test_admit_prefix_hits_free_and_reuse():
     assert _ints(r.reason) == [st.OK, st.SKIPPED_PADDING]
     assert _ints(r.seq_id) == [0, INVALID]
     assert _ints(r.cached_tokens) == [0, 0] and _ints(r.new_blocks) == [3, 0]
-    assert _ints(s.block_tables[0]) == [0, 1, 2, INVALID]
-    assert _ints(s.fill[:3]) == [2, 2, 1] and _ints(s.hashed[:3]) == [True, True, False]
+    assert _ints(s.seqs.block_tables[0]) == [0, 1, 2, INVALID]
+    assert _ints(s.blocks.fill[:3]) == [2, 2, 1] and _ints(s.blocks.hashed[:3]) == [True, True, False]
     led = alloc.ledger(s)
     assert int(led.used_tokens[0]) == 5 and int(led.charged_bytes[0]) == 3 * BLOCK
     assert _ints(led.free_blocks) == [5, 4, 4]
@@ -46,8 +46,8 @@ def test_admit_prefix_hits_free_and_reuse():
     alloc.check(s)
     assert _ints(r.seq_id)[0] == 1 and _ints(r.cached_tokens)[0] == 4
     assert _ints(r.hit_blocks)[0] == 2 and _ints(r.new_blocks)[0] == 1
-    assert _ints(s.block_tables[1]) == [0, 1, 3, INVALID]
-    assert _ints(s.ref_count[:4]) == [2, 2, 1, 1] and _ints(s.payer_refs[:4]) == [2, 2, 1, 1]
+    assert _ints(s.seqs.block_tables[1]) == [0, 1, 3, INVALID]
+    assert _ints(s.blocks.ref_count[:4]) == [2, 2, 1, 1] and _ints(s.blocks.payer_refs[:4]) == [2, 2, 1, 1]
     led = alloc.ledger(s)
     assert int(led.used_tokens[0]) == 11  # 5 + 6: shared tokens count for every sequence
     assert int(led.charged_bytes[0]) == 4 * BLOCK  # resident blocks: each charged once
@@ -56,7 +56,7 @@ def test_admit_prefix_hits_free_and_reuse():
     # t1 sends the same prompt: its private salt gives other hashes -> no hit; blocks 4, 5, 6.
     s, r = alloc.admit(s, *prompts([(1, [10, 11, 12, 13, 14])]))
     alloc.check(s)
-    assert _ints(r.cached_tokens)[0] == 0 and _ints(s.block_tables[2]) == [4, 5, 6, INVALID]
+    assert _ints(r.cached_tokens)[0] == 0 and _ints(s.seqs.block_tables[2]) == [4, 5, 6, INVALID]
     assert int(alloc.ledger(s).shared_bytes[1]) == 0
 
     # Free t0's first sequence: refs 0: 2->1, 1: 2->1, 2: 1->0 -> only block 2 returns.
@@ -64,16 +64,16 @@ def test_admit_prefix_hits_free_and_reuse():
     alloc.check(s)
     assert r.pool_bytes_returned == BLOCK and r.quota_bytes_released == BLOCK
     assert _ints(r.blocks_returned) == [1, 0, 0] and _ints(r.tokens_released) == [5, 0]
-    assert _ints(s.ref_count[:3]) == [1, 1, 0] and int(s.free_count[0]) == 2
+    assert _ints(s.blocks.ref_count[:3]) == [1, 1, 0] and int(s.free.free_count[0]) == 2
     # Tombstone before any reuse: no hash entry, no fill, no payer (so no lookup can hit it).
-    assert not bool(s.hashed[2]) and _ints(s.block_hash[2]) == [0, 0]
-    assert int(s.fill[2]) == 0 and int(s.payer[2]) == INVALID
+    assert not bool(s.blocks.hashed[2]) and _ints(s.blocks.block_hash[2]) == [0, 0]
+    assert int(s.blocks.fill[2]) == 0 and int(s.blocks.payer[2]) == INVALID
 
     # Same prompt again: hits 0, 1; the partial block is the top of the stack [7, 2] -> 2.
     s, r = alloc.admit(s, *prompts([(0, [10, 11, 12, 13, 14])]))
     alloc.check(s)
     assert _ints(r.seq_id)[0] == 0 and _ints(r.cached_tokens)[0] == 4
-    assert _ints(s.block_tables[0]) == [0, 1, 2, INVALID]
+    assert _ints(s.seqs.block_tables[0]) == [0, 1, 2, INVALID]
     assert seq_tokens(s, 0, P) == [10, 11, 12, 13, 14]
 
 
@@ -85,7 +85,7 @@ def test_refusals_allocate_nothing():
     alloc.check(s)
     assert _ints(r.admitted) == [True, False]
     assert _ints(r.reason) == [st.OK, st.REFUSED_TOKEN_QUOTA]
-    assert _ints(r.new_blocks) == [2, 0] and int(s.free_count[0]) == 6
+    assert _ints(r.new_blocks) == [2, 0] and int(s.free.free_count[0]) == 6
 
     # t1: 5 tokens need 3 blocks > 2 allowed; 4 tokens need 2 -> fits.
     before = snapshot(s)
@@ -94,13 +94,13 @@ def test_refusals_allocate_nothing():
     assert leaves_equal(before, s2)  # a refused admission changes nothing at all
     s, r = alloc.admit(s, *prompts([(1, [1, 2, 3, 4])]))
     alloc.check(s)
-    assert _ints(r.reason)[0] == st.OK and int(s.free_count[0]) == 4
+    assert _ints(r.reason)[0] == st.OK and int(s.free.free_count[0]) == 4
 
     # Pool full: t0 unbounded now; 4 free blocks. Row 0 takes all 4, row 1 finds none.
     s, _ = alloc.set_quota(s, 0, token_quota=100, byte_quota=100 * BLOCK)
     s, r = alloc.admit(s, *prompts([(0, [9] * 8), (0, [8] * 2)]))
     alloc.check(s)
-    assert _ints(r.reason) == [st.OK, st.REFUSED_POOL_FULL] and int(s.free_count[0]) == 0
+    assert _ints(r.reason) == [st.OK, st.REFUSED_POOL_FULL] and int(s.free.free_count[0]) == 0
 
     # No sequence slot: slots 0, 1, 2 are used. Free slot 2 (4 blocks back), fill slots 2 and 3
     # with 1-token prompts; a fifth sequence finds no slot although the pool has room.
@@ -122,16 +122,16 @@ def test_append_crosses_block_and_completed_block_is_shared():
     alloc.check(s)
     assert _ints(r.appended) == [True, False] and _ints(r.reason)[1] == st.SKIPPED_PADDING
     assert _ints(r.block)[0] == 1 and _ints(r.offset)[0] == 0 and _ints(r.new_block)[0]
-    assert not bool(s.hashed[1])
+    assert not bool(s.blocks.hashed[1])
     # Token 4 fills block 1 (offset 1): it joins the prefix cache.
     s, r = alloc.append(s, [0, INVALID], [4, 0])
     alloc.check(s)
     assert _ints(r.block)[0] == 1 and _ints(r.offset)[0] == 1 and not _ints(r.new_block)[0]
-    assert bool(s.hashed[1]) and int(s.seq_lens[0]) == 4 and int(s.positions[0]) == 4
+    assert bool(s.blocks.hashed[1]) and int(s.seqs.seq_lens[0]) == 4 and int(s.seqs.positions[0]) == 4
     # A follow-up turn [1 2 3 4 5] hits both blocks (multi-turn reuse of decoded tokens).
     s, r = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5])]))
     alloc.check(s)
-    assert _ints(r.cached_tokens)[0] == 4 and _ints(s.block_tables[1])[:2] == [0, 1]
+    assert _ints(r.cached_tokens)[0] == 4 and _ints(s.seqs.block_tables[1])[:2] == [0, 1]
 
 
 def test_append_refused_over_token_quota():
@@ -147,26 +147,27 @@ def test_fork_copies_partial_last_block_with_pages():
     alloc, s = fresh()
     s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3])]))  # blocks 0 = (1, 2), 1 = (3, _)
     # The model would have written K/V of block 1; stand in with constants.
-    s = s.replace(k_pages=s.k_pages.at[:, :, 1].set(7.0), v_pages=s.v_pages.at[:, :, 1].set(8.0))
+    pool0 = s.pages[0]
+    s = s.replace(pages=(pool0.replace(k=pool0.k.at[:, :, 1].set(7.0), v=pool0.v.at[:, :, 1].set(8.0)),) + s.pages[1:])
     s, r = alloc.fork(s, [0])
     alloc.check(s)
     # Child (slot 1) shares block 0 and gets its own copy of block 1: block 2.
     assert _ints(r.seq_id) == [1] and _ints(r.copied_from) == [1] and _ints(r.copied_to) == [2]
-    assert _ints(s.block_tables[1]) == [0, 2, INVALID, INVALID]
-    assert _ints(s.ref_count[:3]) == [2, 1, 1]
-    assert _ints(s.token_ids[2]) == [3, INVALID]
-    assert np.all(np.asarray(s.k_pages[:, :, 2]) == 7.0) and np.all(np.asarray(s.v_pages[:, :, 2]) == 8.0)
+    assert _ints(s.seqs.block_tables[1]) == [0, 2, INVALID, INVALID]
+    assert _ints(s.blocks.ref_count[:3]) == [2, 1, 1]
+    assert _ints(s.blocks.token_ids[2]) == [3, INVALID]
+    assert np.all(np.asarray(s.pages[0].k[:, :, 2]) == 7.0) and np.all(np.asarray(s.pages[0].v[:, :, 2]) == 8.0)
     led = alloc.ledger(s)
     assert int(led.used_tokens[0]) == 6 and int(led.charged_bytes[0]) == 3 * BLOCK
     # Appending to the child writes its copy; the parent's block is untouched.
     s, r = alloc.append(s, [1, INVALID], [9, 0])
     alloc.check(s)
-    assert _ints(r.block)[0] == 2 and _ints(s.token_ids[1]) == [3, INVALID]
-    assert _ints(s.token_ids[2]) == [3, 9]
+    assert _ints(r.block)[0] == 2 and _ints(s.blocks.token_ids[1]) == [3, INVALID]
+    assert _ints(s.blocks.token_ids[2]) == [3, 9]
     # Forking a sequence whose last block is full copies nothing.
     s, r = alloc.fork(s, [1])
     alloc.check(s)
-    assert _ints(r.copied_from) == [INVALID] and _ints(s.ref_count[:3]) == [3, 1, 2]
+    assert _ints(r.copied_from) == [INVALID] and _ints(s.blocks.ref_count[:3]) == [3, 1, 2]
 
 
 def test_pins_keep_blocks_resident_and_charged():
@@ -179,16 +180,16 @@ def test_pins_keep_blocks_resident_and_charged():
     s, r = alloc.free(s, [0])
     alloc.check(s)
     # Only block 2 returns; 0 and 1 stay resident with no references, still charged to t0.
-    assert r.pool_bytes_returned == BLOCK and int(s.free_count[0]) == 6
-    assert _ints(s.ref_count[:2]) == [0, 0] and int(alloc.ledger(s).charged_bytes[0]) == 2 * BLOCK
+    assert r.pool_bytes_returned == BLOCK and int(s.free.free_count[0]) == 6
+    assert _ints(s.blocks.ref_count[:2]) == [0, 0] and int(alloc.ledger(s).charged_bytes[0]) == 2 * BLOCK
     # A lookup may hit a pinned, unreferenced block.
     s, r = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 9])]))
     alloc.check(s)
-    assert _ints(r.cached_tokens)[0] == 4 and _ints(s.block_tables[0])[:2] == [0, 1]
+    assert _ints(r.cached_tokens)[0] == 4 and _ints(s.seqs.block_tables[0])[:2] == [0, 1]
     s, _ = alloc.free(s, [0])
     s, r = alloc.unpin_blocks(s, [0, 1])
     alloc.check(s)
-    assert r.pool_bytes_returned == 2 * BLOCK and int(s.free_count[0]) == 8
+    assert r.pool_bytes_returned == 2 * BLOCK and int(s.free.free_count[0]) == 8
     assert int(alloc.ledger(s).charged_bytes[0]) == 0
 
 
@@ -207,12 +208,12 @@ def test_release_tenant_walks_tables_and_keeps_pins_unless_asked():
     # Entries walked: 0, 1, 0, 2 -> block 0 refs 2 -> 0 but pinned; 1 and 2 return.
     assert _ints(r.seqs_freed) == 2 and _ints(r.tokens_released) == [6, 0]
     assert r.pool_bytes_returned == 2 * BLOCK and r.quota_bytes_released == 2 * BLOCK
-    assert int(s1.pin_count[0]) == 1 and int(alloc.ledger(s1).charged_bytes[0]) == BLOCK
+    assert int(s1.blocks.pin_count[0]) == 1 and int(alloc.ledger(s1).charged_bytes[0]) == BLOCK
     assert _ints(alloc.ledger(s1).charged_blocks[1]) == _ints(before.charged_blocks[1])
     s2, r = alloc.release_tenant(s, 0, unpin=True)
     alloc.check(s2)
     assert r.pool_bytes_returned == 3 * BLOCK and int(r.unpinned_blocks) == 1
-    assert int(alloc.ledger(s2).charged_bytes[0]) == 0 and int(s2.free_count[0]) == 6
+    assert int(alloc.ledger(s2).charged_bytes[0]) == 0 and int(s2.free.free_count[0]) == 6
 
 
 def test_charge_passes_to_lowest_tenant_and_heir_over_quota_is_reported():
@@ -232,7 +233,7 @@ def test_charge_passes_to_lowest_tenant_and_heir_over_quota_is_reported():
     alloc.check(s)
     # Block 0 (held by t1, t0) -> heir t0, the lowest id; block 1 (held by t1) -> t1;
     # block 2 (only t2) returns to the pool.
-    assert _ints(s.payer[:3]) == [0, 1, INVALID] and _ints(s.payer_refs[:2]) == [1, 1]
+    assert _ints(s.blocks.payer[:3]) == [0, 1, INVALID] and _ints(s.blocks.payer_refs[:2]) == [1, 1]
     assert int(r.transferred_blocks) == 2
     assert r.pool_bytes_returned == BLOCK  # only block 2 went back
     assert r.quota_bytes_released == 3 * BLOCK  # t2 stopped paying for 3 blocks
@@ -243,10 +244,11 @@ def test_charge_passes_to_lowest_tenant_and_heir_over_quota_is_reported():
 def test_scrub_on_free_zeroes_returned_pages():
     alloc, s = fresh()
     s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3])]))  # blocks 0, 1
-    s = s.replace(k_pages=s.k_pages.at[:, :, :2].set(1.0), v_pages=s.v_pages.at[:, :, :2].set(2.0))
+    pool0 = s.pages[0]
+    s = s.replace(pages=(pool0.replace(k=pool0.k.at[:, :, :2].set(1.0), v=pool0.v.at[:, :, :2].set(2.0)),) + s.pages[1:])
     s, _ = alloc.free(s, [0])
     alloc.check(s)  # includes "free pages are zero" under scrub_on_free
-    assert not np.asarray(s.k_pages).any() and not np.asarray(s.v_pages).any()
+    assert not np.asarray(s.pages[0].k).any() and not np.asarray(s.pages[0].v).any()
 
 
 def test_donated_variants_match_and_consume_state():
@@ -254,15 +256,14 @@ def test_donated_variants_match_and_consume_state():
     args = prompts([(0, [1, 2, 3]), (1, [4, 5])])
     want_s, want_r = alloc.admit(s, *args)
     copy = jax.tree_util.tree_map(lambda x: x.copy(), s)
-    got_s, got_r = alloc.admit_donated(copy, *args)
+    got_s, got_r = alloc.admit(copy, *args, donate=True)
     alloc.check(got_s)
     assert leaves_equal(want_s, got_s) and leaves_equal(want_r, got_r)
-    for a, b in [(alloc.append, alloc.append_donated)]:
-        w, wr = a(want_s, [0, 1], [7, 8])
-        g, gr = b(got_s, [0, 1], [7, 8])
-        assert leaves_equal(w, g) and leaves_equal(wr, gr)
+    w, wr = alloc.append(want_s, [0, 1], [7, 8])
+    g, gr = alloc.append(got_s, [0, 1], [7, 8], donate=True)
+    assert leaves_equal(w, g) and leaves_equal(wr, gr)
     w, wr = alloc.release_tenant(w, 0)
-    g, gr = alloc.release_tenant_donated(g, 0)
+    g, gr = alloc.release_tenant(g, 0, donate=True)
     assert leaves_equal(w, g) and leaves_equal(wr, gr)
 
 

@@ -29,7 +29,7 @@ def test_builder_state_is_consistent_and_release_matches_python_pool():
     alloc.check(state)
     led = alloc.ledger(state)
     # Charges add up to the pool's watermark, in exact bytes (a 72B block is 5 MiB).
-    held = config.num_blocks - int(state.free_count[0])
+    held = config.num_blocks - int(state.free.free_count[0])
     assert int(led.charged_bytes.sum()) == held * config.pool_bytes[0]
     pool = PythonPool(config, jax.device_get(state))
     for tenant in (15, 0):  # a private tenant, then a group's prefix creator
@@ -40,10 +40,10 @@ def test_builder_state_is_consistent_and_release_matches_python_pool():
                     free=sorted(pool.free_list), charged=pool.charged, used=pool.used)
         assert same_result(state, loop)
     # The creator's prefix was pinned: its blocks stay charged to it (no unpin asked).
-    assert int(state.pinned_blocks[0].sum()) == 4
+    assert int(state.tenants.pinned_blocks[0].sum()) == 4
     state, rep = alloc.release_tenant(state, 0, unpin=True)
     alloc.check(state)
-    assert int(rep.unpinned_blocks) == 4 and int(state.charged_blocks[0].sum()) == 0
+    assert int(rep.unpinned_blocks) == 4 and int(state.tenants.charged_blocks[0].sum()) == 0
 
 
 def test_donated_ops_match_plain_ops():
@@ -89,7 +89,7 @@ def test_builder_at_2_20_blocks():
     config = _config(1 << 20, 8192, tenants=64, mb=256)
     state = build_state(config, SyntheticSpec(num_seqs=8192, num_groups=4, group_size=4))
     Allocator(config).check(state)
-    assert int(state.free_count[0]) >= config.num_blocks // 10 - 1
+    assert int(state.free.free_count[0]) >= config.num_blocks // 10 - 1
 
 
 def test_tiny_config_bytes():
@@ -104,7 +104,7 @@ def test_donated_cores_update_in_place():
     copies the [S, MB] table once (it is not on the per-step path)."""
     import re
 
-    from kvquota import _ops
+    from kvquota import core
 
     config = StateConfig(get_model_config("tiny-qwen"), num_blocks=4093, block_size=4,
                          max_seqs=37, max_blocks_per_seq=29, num_tenants=5, with_pages=False)
@@ -112,12 +112,12 @@ def test_donated_cores_update_in_place():
                                               pool_fill=0.4, pin_prefixes=True))
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     calls = {
-        "admit": (_ops.admit_donated_jit, (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
-        "append": (_ops.append_donated_jit, (i32([0, 1]), i32([3, 4]))),
-        "pin": (_ops.pin_donated_jit, (i32([0, 1]),)),
-        "unpin": (_ops.unpin_donated_jit, (i32([0, 1]), i32([2, 3]))),
-        "free": (_ops.drop_donated_jit, (i32([0, 1]), i32([2, 3]), None, 0)),
-        "release_unpin": (_ops.drop_donated_jit, (i32([0, 1]), None, np.int32(0), 4)),
+        "admit": (core.compiled("admit", donate=True), (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
+        "append": (core.compiled("append", donate=True), (i32([0, 1]), i32([3, 4]))),
+        "pin": (core.compiled("pin", donate=True), (i32([0, 1]),)),
+        "unpin": (core.compiled("unpin", donate=True), (i32([0, 1]), i32([2, 3]))),
+        "free": (core.compiled("drop", donate=True), (i32([0, 1]), i32([2, 3]), None, 0)),
+        "release_unpin": (core.compiled("drop", donate=True), (i32([0, 1]), None, np.int32(0), 4)),
     }
     big = re.compile(r"= \w+\[(%d|37,29)[\],].*\bcopy\(" % config.total_blocks)
     for name, (fn, args) in calls.items():

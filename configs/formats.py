@@ -20,11 +20,9 @@ import dataclasses
 import math
 from typing import Literal
 
+from configs.errors import FormatSpecError, UnknownFormatError
+
 SCALE_BYTES = 2  # every scale and zero point is stored as bf16
-
-
-class UnknownFormatError(ValueError):
-    """Raised for a KV format name that is not registered."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,8 @@
 """Serving on the paged KV state: admit + chunked prefill, decode steps, generation, scoring.
 
 `PagedEngine` drives the model (`kvquota.model.Decoder`) over the functional state through the
-state's validating facade (`kvquota.allocator.Allocator`), always with its *donating* variants
-(`admit_donated`, `append_donated`, `free_donated`): a serving loop that copied the whole cache
-each step would measure the copy, not the cache. The model's own jitted forward donates the state
+state's validating facade (`kvquota.allocator.Allocator`), always with `donate=True`: a serving
+loop that copied the whole cache each step would measure the copy, not the cache. The model's own jitted forward donates the state
 too. The engine owns `self.state`; it replaces it after each call and never reuses an old one.
 
 One request's life:
@@ -17,7 +16,7 @@ One request's life:
   4. `free` drops one reference per block-table entry.
 
 `DenseEngine` runs the same model, prompts and sampling over a contiguous cache: the reference
-the paged path is tested and benchmarked against. Both share `generate` and `score`.
+the paged path is tested and benchmarked against. Both share `generate` and `score`; one-call helpers live in `kvquota.serving.oneshot`.
 
 Positions: a token's cache index is `seq_lens` before it is written; its RoPE position is the
 state's logical `positions` (they differ after eviction).
@@ -35,15 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.models import ModelConfig
-from kvquota.model import (
-    ChunkMeta,
-    ContextTooLongError,
-    Decoder,
-    DenseKV,
-    PagedKV,
-    init_dense_cache,
-)
+from kvquota.errors import ContextTooLongError
+from kvquota.model.decoder import ChunkMeta, Decoder, DenseKV, PagedKV, init_dense_cache
 from kvquota.sentinel import INVALID
+from kvquota.serving.sampling import Sampling, sample_tokens
 
 # --------------------------------------------------------------------------------------------
 # Jitted model calls.
@@ -58,13 +52,15 @@ def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_ne
     Returns (state with the chunk's K/V written, logits [B, V] if last_only else [B, T, V]).
     """
     valid = seq_ids >= 0
-    tables = state.block_tables[jnp.clip(seq_ids, 0)]
+    tables = state.seqs.block_tables[jnp.clip(seq_ids, 0)]
     tables = jnp.where(valid[:, None], tables, INVALID)
     num_new = jnp.where(valid, num_new, 0)
     meta = ChunkMeta(start=start, num_new=num_new, block_tables=tables)
-    cache = PagedKV(k_pages=state.k_pages, v_pages=state.v_pages)
+    pool0 = state.pages[0]
+    cache = PagedKV(k_pages=pool0.k, v_pages=pool0.v)
     logits, cache = model.apply({"params": params}, tokens, positions, cache, meta, last_only)
-    state = state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+    pool0 = pool0.replace(k=cache.k_pages, v=cache.v_pages)
+    state = state.replace(pages=(pool0,) + state.pages[1:])
     return state, (logits[:, 0] if last_only else logits)
 
 
@@ -83,43 +79,6 @@ def _token_logprobs(logits, targets):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     return picked, jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
-# --------------------------------------------------------------------------------------------
-# Sampling.
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen.
-
-    Attributes:
-      temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
-      top_k: if > 0, sample only among the k most likely tokens.
-      seed: seeds the sampler; step s of a generation uses fold_in(key(seed), s).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    seed: int = 0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-
-@functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
-def sample_tokens(logits, key, *, temperature: float, top_k: int):
-    """Next tokens i32[B] from logits [B, V]: greedy when temperature == 0."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits.astype(jnp.float32) / temperature
-    if top_k:
-        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
-        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
-    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,20 +135,20 @@ def _bucket(n: int, cap: int, floor: int = 16) -> int:
     return min(cap, max(floor, 1 << max(0, n - 1).bit_length()))
 
 
-def _check_context(config: ModelConfig, total: int, what: str):
+def check_context(config: ModelConfig, total: int, what: str):
     if total > config.max_context:
         raise ContextTooLongError(
             f"{what}: {total} tokens exceed {config.name}'s max_context {config.max_context}"
         )
 
 
-def _check_prompts(config: ModelConfig, prompts, extra: int):
+def check_prompts(config: ModelConfig, prompts, extra: int):
     if not prompts:
         raise ValueError("no prompts given")
     for i, prompt in enumerate(prompts):
         if len(prompt) < 1:
             raise ValueError(f"prompt {i} is empty")
-        _check_context(config, len(prompt) + extra, f"prompt {i} + {extra} new tokens")
+        check_context(config, len(prompt) + extra, f"prompt {i} + {extra} new tokens")
         bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
         if bad:
             raise ValueError(
@@ -216,7 +175,7 @@ class _Engine:
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        _check_prompts(self.config, prompts, max_new_tokens)
+        check_prompts(self.config, prompts, max_new_tokens)
         # The last sampled token is returned, never cached: max_new_tokens - 1 appends.
         longest = max(len(p) for p in prompts) + max(max_new_tokens - 1, 0)
         if longest > self._capacity:
@@ -261,7 +220,7 @@ class _Engine:
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
             raise ValueError(f"scoring needs at least 2 tokens, got {len(ids)}")
-        _check_prompts(self.config, [ids], 0)
+        check_prompts(self.config, [ids], 0)
         logits_chunks = self._prefill_all(ids, tenant)
         total = sum(int(c.shape[1]) for c in logits_chunks)
         targets = np.zeros(total, np.int32)  # padding positions score token 0, then are cut
@@ -288,7 +247,7 @@ class PagedEngine(_Engine):
     """The model serving from the paged KV state (see the module docstring).
 
     Args:
-      config: model preset; params: its parameters (`kvquota.weights` layout).
+      config: model preset; params: its parameters (`kvquota.model.weights` layout).
       state_config: the state's static config (`kvquota.state.StateConfig`, model == config).
       chunk_size: prefill chunk length (tokens per sequence per forward call).
       backend: `kernels.paged_attention` backend ("auto": Pallas on GPU, reference on CPU).
@@ -331,9 +290,9 @@ class PagedEngine(_Engine):
     def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
                         share_group: int | None = None):
         """Registers a tenant (quotas in tokens and bytes; a shared group shares prefixes)."""
-        self.state, report = self.allocator.register_tenant_donated(
+        self.state, report = self.allocator.register_tenant(
             self.state, tenant, token_quota=token_quota, byte_quota=byte_quota,
-            share_group=share_group)
+            share_group=share_group, donate=True)
         return report
 
     def ledger(self):
@@ -358,8 +317,8 @@ class PagedEngine(_Engine):
         if len(tenants) != b:
             raise ValueError(f"{len(tenants)} tenants for {b} prompts")
         toks, lens = self._pad_prompts(prompts)
-        self.state, report = self.allocator.admit_donated(
-            self.state, np.asarray(tenants, np.int32), toks, lens)
+        self.state, report = self.allocator.admit(
+            self.state, np.asarray(tenants, np.int32), toks, lens, donate=True)
         return jax.tree_util.tree_map(np.asarray, report)
 
     def _pad_prompts(self, prompts):
@@ -384,7 +343,7 @@ class PagedEngine(_Engine):
         seq_ids = np.where(report.admitted, report.seq_id, INVALID).astype(np.int32)
         cached = np.where(report.admitted, report.cached_tokens, 0).astype(np.int32)
         # Logical position of cache index 0 (positions = RoPE position of the next token).
-        pos0 = np.asarray(self.state.positions)[np.maximum(seq_ids, 0)] - lens
+        pos0 = np.asarray(self.state.seqs.positions)[np.maximum(seq_ids, 0)] - lens
         last = np.zeros((b, self.config.vocab_size), np.float32)
         chunks = []
         done = np.where(report.admitted, cached, lens)
@@ -411,11 +370,11 @@ class PagedEngine(_Engine):
         seq_ids = np.asarray(seq_ids, np.int32)
         real = seq_ids >= 0
         state = self.state
-        start = np.where(real, np.asarray(state.seq_lens)[np.maximum(seq_ids, 0)], 0)
-        position = np.where(real, np.asarray(state.positions)[np.maximum(seq_ids, 0)], 0)
+        start = np.where(real, np.asarray(state.seqs.seq_lens)[np.maximum(seq_ids, 0)], 0)
+        position = np.where(real, np.asarray(state.seqs.positions)[np.maximum(seq_ids, 0)], 0)
         if real.any():
-            _check_context(self.config, int(position[real].max()) + 1, "decode")
-        self.state, report = self.allocator.append_donated(state, seq_ids, tokens)
+            check_context(self.config, int(position[real].max()) + 1, "decode")
+        self.state, report = self.allocator.append(state, seq_ids, tokens, donate=True)
         report = jax.tree_util.tree_map(np.asarray, report)
         rows = np.where(report.appended, seq_ids, INVALID).astype(np.int32)
         self.state, logits = _paged_forward(
@@ -428,7 +387,7 @@ class PagedEngine(_Engine):
     def free(self, seq_ids):
         """Frees sequences (one reference dropped per block-table entry)."""
         seq_ids = np.asarray(seq_ids, np.int32)
-        self.state, report = self.allocator.free_donated(self.state, seq_ids)
+        self.state, report = self.allocator.free(self.state, seq_ids, donate=True)
         return report
 
     # ---- hooks of _Engine ----------------------------------------------------------------
@@ -473,7 +432,7 @@ class DenseEngine(_Engine):
 
     def __init__(self, config: ModelConfig, params, *, capacity: int, chunk_size: int = 256,
                  cache_dtype=jnp.float32):
-        _check_context(config, capacity, "dense cache capacity")
+        check_context(config, capacity, "dense cache capacity")
         self.config = config
         self.params = jax.device_put(params)
         self.capacity = capacity
@@ -550,46 +509,3 @@ class DenseEngine(_Engine):
         return self.prefill([ids], last_only=False)
 
 
-# --------------------------------------------------------------------------------------------
-# One-call helpers (CLIs, tests).
-
-
-def scoring_state_config(config: ModelConfig, num_tokens: int, *, block_size: int = 16,
-                         kv_format: str = "f32"):
-    """A one-sequence, one-tenant state just large enough for `num_tokens`."""
-    from kvquota.state import StateConfig
-
-    blocks = math.ceil(num_tokens / block_size)
-    return StateConfig(model=config, num_blocks=blocks, block_size=block_size, max_seqs=1,
-                       max_blocks_per_seq=blocks, num_tenants=1, kv_format=kv_format)
-
-
-def score(config: ModelConfig, params, token_ids: Sequence[int], *, chunk_size: int = 256,
-          return_logits: bool = False, block_size: int = 16, kv_format: str = "f32",
-          backend: str = "auto") -> ScoreResult:
-    """Teacher-forced scoring of `token_ids` on the paged path (a fresh one-tenant state)."""
-    _check_context(config, len(token_ids), "scoring")
-    engine = PagedEngine(
-        config, params, scoring_state_config(config, len(token_ids), block_size=block_size,
-                                             kv_format=kv_format),
-        chunk_size=chunk_size, backend=backend)
-    engine.register_tenant(0, token_quota=len(token_ids), byte_quota=engine.max_byte_quota)
-    return engine.score(token_ids, return_logits=return_logits, tenant=0)
-
-
-def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]],
-             max_new_tokens: int, *, sampling: Sampling = Sampling(),
-             stop_ids: Sequence[int] = (), chunk_size: int = 256, block_size: int = 16,
-             kv_format: str = "f32", backend: str = "auto") -> list[Generation]:
-    """Generates for `prompts` on the paged path (a fresh state, one private tenant)."""
-    from kvquota.state import StateConfig
-
-    _check_prompts(config, prompts, max_new_tokens)
-    per_seq = math.ceil((max(len(p) for p in prompts) + max_new_tokens) / block_size)
-    state_config = StateConfig(
-        model=config, num_blocks=per_seq * len(prompts), block_size=block_size,
-        max_seqs=len(prompts), max_blocks_per_seq=per_seq, num_tenants=1, kv_format=kv_format)
-    engine = PagedEngine(config, params, state_config, chunk_size=chunk_size, backend=backend)
-    engine.register_tenant(0, token_quota=2**31 - 1, byte_quota=engine.max_byte_quota)
-    return engine.generate(prompts, max_new_tokens, tenants=[0] * len(prompts),
-                           sampling=sampling, stop_ids=stop_ids)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from kvquota.state import REASONS
+from kvquota.codes import REASONS
 
 
 def _units_to_bytes(units, unit_bytes: int):

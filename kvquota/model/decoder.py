@@ -3,7 +3,7 @@
 RMSNorm, RoPE (rotate-half layout, theta from the preset, positions = the sequence's *logical*
 positions, which differ from cache indices after eviction), SwiGLU MLP, grouped-query attention,
 optional QKV bias, tied or untied embeddings. Layers are scanned (`nn.scan`), so parameters carry
-a leading `[L]` axis (see `kvquota.weights`) and compile time does not grow with depth.
+a leading `[L]` axis (see `kvquota.model.weights`) and compile time does not grow with depth.
 
 One forward call processes a chunk of `T` tokens for each of `B` sequences:
 
@@ -35,10 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.models import ModelConfig
-
-
-class ContextTooLongError(ValueError):
-    """A sequence would run past the model's `max_context`."""
+from kvquota.errors import ContextTooLongError
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,10 @@
+"""Private jitted cores of the state operations, one concept per module, behind one jit table.
+
+Inputs are assumed valid (the facade in `kvquota.allocator` checks them first); padding rows use
+INVALID. Each core only touches the rows it is given: updates are scatters of O(batch x MB)
+elements, so with the state donated XLA updates the large per-block arrays in place.
+"""
+
+from kvquota.core.jit import compiled, ledger, run
+
+__all__ = ["compiled", "ledger", "run"]

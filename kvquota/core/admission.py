@@ -1,0 +1,294 @@
+"""Admission, append and fork: the cores that give sequences blocks, under both meters.
+
+Admission and append decide sequentially over the batch (a `lax.scan` over B small counters), so
+row i sees the quota and pool use of rows < i and a refusal allocates nothing."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from kvquota.codes import (
+    OK,
+    REFUSED_BYTE_QUOTA,
+    REFUSED_NO_SEQ_SLOT,
+    REFUSED_POOL_FULL,
+    REFUSED_SEQ_FULL,
+    REFUSED_TOKEN_QUOTA,
+    SEQ_FREE,
+    SEQ_RUNNING,
+    SKIPPED_PADDING,
+)
+from kvquota.core.pages import copy_blocks
+from kvquota.core.prefix import chain_hashes, lookup
+from kvquota.core.scatter import after, charged_units, clip, oob
+from kvquota.hashing import block_hash, salt_root
+from kvquota.reports import AdmitReport, AppendReport, ForkReport
+from kvquota.sentinel import INVALID
+from kvquota.state import KVState, StateConfig
+
+def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, seq_full):
+    """Sequential admission decisions over a batch: (ok bool[B], reason i32[B]).
+
+    Row i is checked against the ledger as left by the accepted rows before it, in this order:
+    padding, table full, token quota, byte quota, pool 0 free blocks, sequence slots.
+    """
+    unit0 = config.pool_units[0]
+    slots0 = (state.seqs.seq_status == SEQ_FREE).sum().astype(jnp.int32)
+
+    def step(carry, row):
+        free0, used, charged, slots = carry
+        t, v, ntok, nblk, full = row
+        tc = clip(t)
+        reason = jnp.where(
+            ~v, SKIPPED_PADDING,
+            jnp.where(full, REFUSED_SEQ_FULL,
+            jnp.where(ntok > state.tenants.token_quota[tc] - used[tc], REFUSED_TOKEN_QUOTA,
+            jnp.where(nblk * unit0 > state.tenants.byte_quota[tc] - charged[tc], REFUSED_BYTE_QUOTA,
+            jnp.where(nblk > free0, REFUSED_POOL_FULL,
+            jnp.where(need_slot & (slots < 1), REFUSED_NO_SEQ_SLOT, OK))))))
+        ok = reason == OK
+        oki = ok.astype(jnp.int32)
+        carry = (
+            free0 - nblk * oki,
+            used.at[tc].add(ntok * oki),
+            charged.at[tc].add(nblk * unit0 * oki),
+            slots - (oki if need_slot else 0),
+        )
+        return carry, (ok, reason.astype(jnp.int32))
+
+    init = (state.free.free_count[0], state.tenants.used_tokens, charged_units(config, state), slots0)
+    _, (ok, reason) = lax.scan(step, init, (tenant, valid, need_tokens, need_blocks, seq_full))
+    return ok, reason
+
+
+def _pop_pool0(state, take):
+    """Block ids for rows with `take` (bool[B]) popped in row order from pool 0's stack."""
+    take_i = take.astype(jnp.int32)
+    rank = jnp.cumsum(take_i) - take_i
+    ids = state.free.free_list[clip(state.free.free_count[0] - 1 - rank)]
+    return jnp.where(take, ids, INVALID), take_i.sum()
+
+
+def _free_slots(state, ok):
+    """Sequence slot for each accepted row: the j-th accepted row gets the j-th free slot."""
+    b = ok.shape[0]
+    free = jnp.nonzero(state.seqs.seq_status == SEQ_FREE, size=b, fill_value=INVALID)[0]
+    oki = ok.astype(jnp.int32)
+    rank = jnp.cumsum(oki) - oki
+    return jnp.where(ok, free[jnp.minimum(rank, b - 1)], INVALID).astype(jnp.int32)
+
+
+def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
+    """Admit prompts: tenants i32[B] (INVALID = padding), tokens i32[B, Tmax], lengths i32[B]."""
+    p, mb, nb = config.block_size, config.max_blocks_per_seq, config.total_blocks
+    b, tmax = tokens.shape
+    m = -(-tmax // p)
+    valid = tenants >= 0
+    tc = clip(tenants)
+    lengths = jnp.where(valid, lengths, 0)
+    pos = jnp.arange(m * p, dtype=jnp.int32)
+    padded = jnp.pad(tokens, ((0, 0), (0, m * p - tmax)))
+    padded = jnp.where(pos[None, :] < lengths[:, None], padded, INVALID)
+    blocks = padded.reshape(b, m, p)
+    salts = state.tenants.salt[tc]
+    hashes = chain_hashes(config, salts, blocks)
+
+    k = jnp.arange(m, dtype=jnp.int32)[None, :]
+    # Hit at most (length - 1) // P full blocks: the last prompt token is always computed so the
+    # model has logits to sample from.
+    usable = (k < ((lengths - 1) // p)[:, None]) & valid[:, None]
+    hits = lookup(config, state, salts, hashes, blocks, usable)
+    nhit = (hits >= 0).sum(axis=1).astype(jnp.int32)
+    nblk = (lengths + p - 1) // p
+    nnew = nblk - nhit
+
+    ok, reason = _decide(config, state, tenants, valid, lengths, nnew, True,
+                         jnp.zeros((b,), bool))
+    slot = _free_slots(state, ok)
+    oki = ok.astype(jnp.int32)
+    new_rank = jnp.cumsum(nnew * oki) - nnew * oki
+    free0 = state.free.free_count[0]
+
+    # Table rows [B, MB]: hits, then popped blocks, then INVALID.
+    kk = jnp.arange(mb, dtype=jnp.int32)[None, :]
+    hits_mb = jnp.pad(hits, ((0, 0), (0, mb - m)), constant_values=INVALID)
+    is_hit = kk < nhit[:, None]
+    is_new = (kk >= nhit[:, None]) & (kk < nblk[:, None]) & ok[:, None]
+    pop_idx = free0 - 1 - (new_rank[:, None] + kk - nhit[:, None])
+    popped = state.free.free_list[jnp.clip(pop_idx, 0, nb - 1)]
+    rows = jnp.where(is_hit, hits_mb, jnp.where(is_new, popped, INVALID))
+    rows = jnp.where(ok[:, None], rows, INVALID)
+
+    # Per-entry data of the new blocks (entries k < m only; k >= m is never new since nblk <= m).
+    tcol = jnp.broadcast_to(tc[:, None], (b, mb))
+    entry = oob(rows, rows >= 0, nb)
+    new_ids = oob(rows, is_new, nb)
+    hit_own = state.blocks.payer[clip(rows)] == tcol
+    prev = jnp.pad(rows[:, :-1], ((0, 0), (1, 0)), constant_values=INVALID)
+    fill = jnp.clip(lengths[:, None] - kk * p, 0, p)
+    full = fill == p
+    blocks_mb = jnp.pad(blocks, ((0, 0), (0, mb - m), (0, 0)), constant_values=INVALID)
+    hashes_mb = jnp.pad(hashes, ((0, 0), (0, mb - m), (0, 0)))
+    n_new_total = (nnew * oki).sum()
+
+    s = state
+    state = s.update(
+        ref_count=s.blocks.ref_count.at[entry].add(1, mode="drop"),
+        payer_refs=s.blocks.payer_refs.at[new_ids].set(1, mode="drop")
+        .at[oob(rows, is_hit & ok[:, None] & hit_own, nb)].add(1, mode="drop"),
+        payer=s.blocks.payer.at[after(new_ids, hit_own)].set(tcol, mode="drop"),
+        fill=s.blocks.fill.at[new_ids].set(fill, mode="drop"),
+        token_ids=s.blocks.token_ids.at[new_ids].set(blocks_mb, mode="drop"),
+        block_hash=s.blocks.block_hash.at[new_ids].set(
+            jnp.where(full[..., None], hashes_mb, jnp.uint32(0)), mode="drop"),
+        hashed=s.blocks.hashed.at[new_ids].set(full, mode="drop"),
+        block_salt=s.blocks.block_salt.at[new_ids].set(
+            jnp.broadcast_to(salts[:, None], (b, mb)), mode="drop"),
+        parent=s.blocks.parent.at[new_ids].set(prev, mode="drop"),
+        parent_gen=s.blocks.parent_gen.at[new_ids].set(
+            jnp.where(prev >= 0, s.blocks.generation[clip(prev)], 0), mode="drop"),
+        free_count=s.free.free_count.at[0].add(-n_new_total),
+        block_tables=s.seqs.block_tables.at[oob(slot, ok, config.max_seqs)].set(rows, mode="drop"),
+        seq_lens=s.seqs.seq_lens.at[oob(slot, ok, config.max_seqs)].set(lengths, mode="drop"),
+        positions=s.seqs.positions.at[oob(slot, ok, config.max_seqs)].set(lengths, mode="drop"),
+        seq_tenant=s.seqs.seq_tenant.at[oob(slot, ok, config.max_seqs)].set(tenants, mode="drop"),
+        seq_status=s.seqs.seq_status.at[oob(slot, ok, config.max_seqs)].set(
+            jnp.int8(SEQ_RUNNING), mode="drop"),
+        used_tokens=s.tenants.used_tokens.at[oob(tc, ok, config.num_tenants)].add(lengths, mode="drop"),
+        charged_blocks=s.tenants.charged_blocks.at[oob(tc, ok, config.num_tenants), 0].add(
+            nnew, mode="drop"),
+    )
+    report = AdmitReport(
+        admitted=ok,
+        reason=reason,
+        seq_id=slot,
+        cached_tokens=jnp.where(ok, nhit * p, 0),
+        hit_blocks=jnp.where(ok, nhit, 0),
+        new_blocks=jnp.where(ok, nnew, 0),
+    )
+    return state, report
+
+
+# ---- append -----------------------------------------------------------------------------------
+def append(config: StateConfig, state: KVState, seq_ids, tokens):
+    """Append one decoded token to each sequence: seq_ids i32[B] (unique; INVALID = padding)."""
+    p, mb, nb, ns = config.block_size, config.max_blocks_per_seq, config.total_blocks, config.max_seqs
+    valid = seq_ids >= 0
+    sc = clip(seq_ids)
+    t = jnp.where(valid, state.seqs.seq_tenant[sc], INVALID)
+    tc = clip(t)
+    length = state.seqs.seq_lens[sc]
+    k = length // p
+    off = length % p
+    need_new = (off == 0) & valid
+    seq_full = valid & (k >= mb)
+    ok, reason = _decide(config, state, t, valid, jnp.ones_like(seq_ids), need_new.astype(jnp.int32),
+                         False, seq_full)
+    alloc = ok & need_new
+    newb, n_alloc = _pop_pool0(state, alloc)
+    kc = jnp.minimum(k, mb - 1)
+    prev = jnp.where(k > 0, state.seqs.block_tables[sc, jnp.maximum(kc - 1, 0)], INVALID)
+    blk = jnp.where(need_new, newb, state.seqs.block_tables[sc, kc])
+    blk = jnp.where(ok, blk, INVALID)
+    bi = oob(blk, ok, nb)
+    ai = oob(newb, alloc, nb)
+
+    s = state
+    # A freed block keeps stale token ids (unreachable: fill 0, not hashed); a new one starts
+    # from an empty row.
+    token_ids = s.blocks.token_ids.at[ai].set(INVALID, mode="drop").at[bi, off].set(tokens, mode="drop")
+    # A block that becomes full joins the prefix cache, chained on its predecessor's hash.
+    becomes_full = ok & (off == p - 1)
+    salts = s.tenants.salt[tc]
+    prev_hash = jnp.where((k > 0)[:, None], s.blocks.block_hash[clip(prev)],
+                          salt_root(salts, config.hash_bits))
+    h = block_hash(prev_hash, token_ids[clip(blk)], config.hash_bits)
+    fi = oob(blk, becomes_full, nb)
+    rows = oob(sc, ok, ns)
+    state = s.update(
+        token_ids=token_ids,
+        fill=s.blocks.fill.at[bi].add(1, mode="drop"),
+        block_hash=s.blocks.block_hash.at[after(fi, prev_hash)].set(h, mode="drop"),
+        hashed=s.blocks.hashed.at[fi].set(True, mode="drop"),
+        ref_count=s.blocks.ref_count.at[ai].set(1, mode="drop"),
+        payer=s.blocks.payer.at[ai].set(t, mode="drop"),
+        payer_refs=s.blocks.payer_refs.at[ai].set(1, mode="drop"),
+        block_salt=s.blocks.block_salt.at[ai].set(salts, mode="drop"),
+        parent=s.blocks.parent.at[ai].set(prev, mode="drop"),
+        parent_gen=s.blocks.parent_gen.at[ai].set(
+            jnp.where(prev >= 0, s.blocks.generation[clip(prev)], 0), mode="drop"),
+        free_count=s.free.free_count.at[0].add(-n_alloc),
+        block_tables=s.seqs.block_tables.at[after(oob(sc, alloc, ns), prev, blk), kc].set(
+            newb, mode="drop"),
+        seq_lens=s.seqs.seq_lens.at[after(rows, length)].add(1, mode="drop"),
+        positions=s.seqs.positions.at[rows].add(1, mode="drop"),
+        used_tokens=s.tenants.used_tokens.at[oob(tc, ok, config.num_tenants)].add(1, mode="drop"),
+        charged_blocks=s.tenants.charged_blocks.at[oob(tc, alloc, config.num_tenants), 0].add(
+            1, mode="drop"),
+    )
+    report = AppendReport(
+        appended=ok, reason=reason, block=blk, offset=jnp.where(ok, off, INVALID), new_block=alloc
+    )
+    return state, report
+
+
+# ---- fork -------------------------------------------------------------------------------------
+def fork(config: StateConfig, state: KVState, seq_ids):
+    """Fork each source sequence (i32[B], INVALID = padding) into a new slot of the same tenant.
+
+    Full blocks are shared by reference; the partly filled last block is copied (token ids and,
+    when pages exist, its K/V pages) so the child can append without touching the parent.
+    """
+    p, mb, nb, ns = config.block_size, config.max_blocks_per_seq, config.total_blocks, config.max_seqs
+    b = seq_ids.shape[0]
+    valid = seq_ids >= 0
+    sc = clip(seq_ids)
+    t = jnp.where(valid, state.seqs.seq_tenant[sc], INVALID)
+    tc = clip(t)
+    length = jnp.where(valid, state.seqs.seq_lens[sc], 0)
+    nblk = (length + p - 1) // p
+    partial = valid & (length % p != 0)
+    ok, reason = _decide(config, state, t, valid, length, partial.astype(jnp.int32), True,
+                         jnp.zeros((b,), bool))
+    slot = _free_slots(state, ok)
+    alloc = ok & partial
+    newb, n_alloc = _pop_pool0(state, alloc)
+    src_rows = state.seqs.block_tables[sc]
+    last = nblk - 1
+    oldb = jnp.where(alloc, src_rows[jnp.arange(b), jnp.maximum(last, 0)], INVALID)
+    kk = jnp.arange(mb, dtype=jnp.int32)[None, :]
+    is_copy = alloc[:, None] & (kk == last[:, None])
+    rows = jnp.where(is_copy, newb[:, None], src_rows)
+    rows = jnp.where(ok[:, None], rows, INVALID)
+    shared = ok[:, None] & (rows >= 0) & ~is_copy
+    own = state.blocks.payer[clip(rows)] == tc[:, None]
+    ai = oob(newb, alloc, nb)
+    oc = clip(oldb)
+
+    s = state
+    updates = dict(
+        ref_count=s.blocks.ref_count.at[oob(rows, shared, nb)].add(1, mode="drop")
+        .at[ai].set(1, mode="drop"),
+        payer_refs=s.blocks.payer_refs.at[oob(rows, shared & own, nb)].add(1, mode="drop")
+        .at[ai].set(1, mode="drop"),
+        payer=s.blocks.payer.at[after(ai, own)].set(t, mode="drop"),
+        fill=s.blocks.fill.at[ai].set(s.blocks.fill[oc], mode="drop"),
+        token_ids=s.blocks.token_ids.at[ai].set(s.blocks.token_ids[oc], mode="drop"),
+        block_salt=s.blocks.block_salt.at[ai].set(s.blocks.block_salt[oc], mode="drop"),
+        parent=s.blocks.parent.at[ai].set(s.blocks.parent[oc], mode="drop"),
+        parent_gen=s.blocks.parent_gen.at[ai].set(s.blocks.parent_gen[oc], mode="drop"),
+        free_count=s.free.free_count.at[0].add(-n_alloc),
+        block_tables=s.seqs.block_tables.at[after(oob(slot, ok, ns), src_rows, rows, oldb, own)].set(
+            rows, mode="drop"),
+        seq_lens=s.seqs.seq_lens.at[after(oob(slot, ok, ns), length)].set(length, mode="drop"),
+        positions=s.seqs.positions.at[oob(slot, ok, ns)].set(s.seqs.positions[sc], mode="drop"),
+        seq_tenant=s.seqs.seq_tenant.at[oob(slot, ok, ns)].set(t, mode="drop"),
+        seq_status=s.seqs.seq_status.at[oob(slot, ok, ns)].set(jnp.int8(SEQ_RUNNING), mode="drop"),
+        used_tokens=s.tenants.used_tokens.at[oob(tc, ok, config.num_tenants)].add(length, mode="drop"),
+        charged_blocks=s.tenants.charged_blocks.at[oob(tc, alloc, config.num_tenants), 0].add(
+            1, mode="drop"),
+    )
+    state = s.update(**updates).replace(pages=copy_blocks(config, s.pages, oldb, newb, alloc))
+    report = ForkReport(forked=ok, reason=reason, seq_id=slot, copied_from=oldb, copied_to=newb)
+    return state, report

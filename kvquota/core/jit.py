@@ -1,0 +1,48 @@
+"""The one jit table: every core compiled twice from one definition, plain and donating `state`.
+
+`run(name, config, state, *args, donate=False)` is the single hand-off from the facade. Without
+donation (the default) the input state stays valid, which forks and "state unchanged on error"
+rely on; with `donate=True` XLA updates the large per-block arrays in place and the caller must
+not use the old state again (serving loops).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from kvquota.core import admission, pins, release, tenants
+
+# name -> (core, static argument positions besides the config at 0)
+_CORES = {
+    "admit": (admission.admit, ()),
+    "append": (admission.append, ()),
+    "fork": (admission.fork, ()),
+    "pin": (pins.pin, ()),
+    "unpin": (pins.unpin, ()),
+    "drop": (release.drop_sequences, (5,)),  # unpin_slots sizes an array
+    "set_tenant": (tenants.set_tenant, ()),
+}
+
+
+def _variants(fn, extra_static):
+    statics = (0,) + tuple(extra_static)
+    plain = jax.jit(fn, static_argnums=statics)
+    donated = jax.jit(fn, static_argnums=statics, donate_argnums=(1,))
+    functools.update_wrapper(donated, fn)
+    return {False: plain, True: donated}
+
+
+_TABLE = {name: _variants(fn, extra) for name, (fn, extra) in _CORES.items()}
+ledger = jax.jit(tenants.ledger, static_argnums=(0,))  # reads only: nothing to donate
+
+
+def run(name: str, config, state, *args, donate: bool = False):
+    """Call core `name` as `core(config, state, *args) -> (state, report)`."""
+    return _TABLE[name][bool(donate)](config, state, *args)
+
+
+def compiled(name: str, donate: bool = False):
+    """The jitted function itself (for benchmarks that lower it, or inspect its HLO)."""
+    return _TABLE[name][bool(donate)]

@@ -1,0 +1,191 @@
+"""Dropping references (free, release a tenant, unpin) and settling what they leave: blocks held
+by nothing return to their pool, charges whose payer let go pass to an heir."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kvquota.codes import SEQ_FREE
+from kvquota.core.pages import scrub_blocks
+from kvquota.core.scatter import after, clip, device_units, oob
+from kvquota.reports import FreeReport
+from kvquota.sentinel import INVALID
+from kvquota.state import pool_of
+
+def heir_inputs(state, heir_rows):
+    """Entries i32[R, MB] and tenants i32[R, MB] of the rows that may inherit charges (None when
+    the caller knows there is no candidate: then no table row beyond the freed ones is read)."""
+    if heir_rows is None:
+        return None
+    hr = clip(heir_rows)
+    hten = jnp.where(heir_rows >= 0, state.seqs.seq_tenant[hr], INVALID)
+    hent = state.seqs.block_tables[hr]
+    return hent, jnp.broadcast_to(hten[:, None], hent.shape)
+
+
+def settle(config, state, touched, heirs, reads=()):
+    """After references or pins were dropped on `touched` blocks (i32[E], repeats and INVALID
+    allowed): free the blocks no longer held, and pass the charge of blocks whose payer holds no
+    reference any more to the remaining referencer with the lowest tenant id among `heirs`
+    (entries and tenants of the candidate rows, read before any row was cleared).
+
+    Everything is O(E + R x MB) gathers and scatters: nothing sorts and nothing is NB-sized.
+    Repeated ids are resolved by letting every copy write its (negative) position into the
+    block's `payer`, which is overwritten anyway for freed and orphaned blocks, and keeping the
+    copy that won. `reads` are earlier reads of `payer` the first write must wait for.
+    """
+    nb, ntn, npools = config.total_blocks, config.num_tenants, config.num_pools
+    e = touched.shape[0]
+    s = state
+    valid = touched >= 0
+    b = clip(touched)
+    ref, pin, prefs, old_payer = s.blocks.ref_count[b], s.blocks.pin_count[b], s.blocks.payer_refs[b], s.blocks.payer[b]
+    pool = pool_of(config, b)
+    freed_e = valid & (ref == 0) & (pin == 0)
+    orphan_e = valid & (ref > 0) & (pin == 0) & (prefs == 0)
+    # One winner per distinct block among repeated entries.
+    tag = -2 - jnp.arange(e, dtype=jnp.int32)
+    payer = s.blocks.payer.at[after(oob(b, freed_e | orphan_e, nb), old_payer, reads)].set(
+        tag, mode="drop")
+    won = payer[b]
+    first = (freed_e | orphan_e) & (won == tag)
+    freed = freed_e & first
+    orphan = orphan_e & first
+
+    # Heirs: mark orphans (payer_refs = -1, payer = T), scatter-min the tenant of every heir-row
+    # entry naming a marked block into its payer, then count the heir's own references.
+    oi = oob(b, orphan, nb)
+    payer = payer.at[after(oi, won)].set(ntn, mode="drop")
+    payer_refs = s.blocks.payer_refs
+    if heirs is not None:
+        hent, htc = heirs
+        payer_refs = payer_refs.at[after(oi, prefs)].set(-1, mode="drop")
+        marked = payer_refs[clip(hent)]
+        member = (hent >= 0) & (htc >= 0) & (marked == -1)
+        payer = payer.at[oob(hent, member, nb)].min(htc, mode="drop")
+        payer_refs = payer_refs.at[after(oi, marked)].set(0, mode="drop")
+        heir_of_entry, heir = payer[clip(hent)], payer[b]
+        mine = member & (heir_of_entry == htc)
+        payer_refs = payer_refs.at[oob(hent, mine, nb)].add(1, mode="drop")
+        payer_reads = (heir_of_entry, heir)
+    else:
+        heir = payer[b]
+        payer_reads = (heir,)
+    moved = orphan & (heir < ntn)
+    payer = payer.at[after(oob(b, orphan & ~moved, nb), payer_reads)].set(
+        old_payer, mode="drop")  # no heir found
+    payer = payer.at[after(oob(b, freed, nb), payer_reads)].set(INVALID, mode="drop")
+
+    # Free-list push, per pool, in entry order.
+    onehot = (pool[:, None] == jnp.arange(npools)[None, :]) & freed[:, None]
+    rank = (jnp.cumsum(onehot.astype(jnp.int32), axis=0) - 1)[jnp.arange(e), pool]
+    starts = jnp.asarray(config.pool_starts, jnp.int32)
+    push_at = oob(starts[pool] + s.free.free_count[pool] + rank, freed, nb)
+    returned = onehot.sum(axis=0).astype(jnp.int32)
+
+    units = jnp.asarray(config.pool_units, jnp.int32)[pool]
+    dropped = freed | moved
+    charged = (
+        s.tenants.charged_blocks.at[oob(old_payer, dropped, ntn), pool].add(-1, mode="drop")
+        .at[oob(heir, moved, ntn), pool].add(1, mode="drop")
+    )
+    zeros_t = jnp.zeros((ntn,), jnp.int32)
+    released = zeros_t.at[oob(old_payer, dropped, ntn)].add(units, mode="drop")
+    inherited = zeros_t.at[oob(heir, moved, ntn)].add(units, mode="drop")
+    over = (inherited > 0) & ((charged * device_units(config)[None, :]).sum(axis=1) > s.tenants.byte_quota)
+    fi = oob(b, freed, nb)
+    updates = dict(
+        payer=payer,
+        payer_refs=payer_refs.at[fi].set(0, mode="drop"),
+        fill=s.blocks.fill.at[fi].set(0, mode="drop"),
+        block_hash=s.blocks.block_hash.at[fi].set(jnp.uint32(0), mode="drop"),
+        hashed=s.blocks.hashed.at[fi].set(False, mode="drop"),
+        block_salt=s.blocks.block_salt.at[fi].set(jnp.uint32(0), mode="drop"),
+        parent=s.blocks.parent.at[fi].set(INVALID, mode="drop"),
+        parent_gen=s.blocks.parent_gen.at[fi].set(0, mode="drop"),
+        generation=s.blocks.generation.at[fi].add(1, mode="drop"),
+        free_list=s.free.free_list.at[push_at].set(b, mode="drop"),
+        free_count=s.free.free_count + returned,
+        charged_blocks=charged,
+    )
+    state = s.update(**updates)
+    if config.scrub_on_free:
+        state = state.replace(pages=scrub_blocks(config, s.pages, b, freed))
+    return state, dict(
+        blocks_returned=returned,
+        quota_units_released=released,
+        transferred_blocks=moved.sum().astype(jnp.int32),
+        inherited_units=inherited,
+        heir_over_quota=over,
+    )
+
+
+def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_slots=0):
+    """Free the sequences `seq_rows` (i32[K], unique, INVALID = padding): one reference dropped
+    per block-table entry. `heir_rows` (i32[R], disjoint from `seq_rows`) are the live sequences
+    that may inherit charges.
+
+    With `unpin_tenant` (a traced i32 scalar) and `unpin_slots` > 0 (static: an upper bound on that
+    tenant's pinned blocks), also drops every pin on blocks charged to that tenant.
+    """
+    nb, ns, ntn = config.total_blocks, config.max_seqs, config.num_tenants
+    valid = seq_rows >= 0
+    rc = clip(seq_rows)
+    ten = jnp.where(valid, state.seqs.seq_tenant[rc], INVALID)
+    entries = jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID)  # [K, MB]
+    live = entries >= 0
+    lens = jnp.where(valid, state.seqs.seq_lens[rc], 0)
+    heirs = heir_inputs(state, heir_rows)
+    payer_read = state.blocks.payer[clip(entries)]
+    own = live & (payer_read == ten[:, None])
+    rows = oob(seq_rows, valid, ns)
+    s = state
+    state = s.update(
+        ref_count=s.blocks.ref_count.at[oob(entries, live, nb)].add(-1, mode="drop"),
+        payer_refs=s.blocks.payer_refs.at[oob(entries, own, nb)].add(-1, mode="drop"),
+        used_tokens=s.tenants.used_tokens.at[oob(ten, valid, ntn)].add(-lens, mode="drop"),
+        block_tables=s.seqs.block_tables.at[after(rows, entries, heirs)].set(INVALID, mode="drop"),
+        seq_lens=s.seqs.seq_lens.at[after(rows, lens)].set(0, mode="drop"),
+        positions=s.seqs.positions.at[rows].set(0, mode="drop"),
+        seq_tenant=s.seqs.seq_tenant.at[after(rows, ten, heirs)].set(INVALID, mode="drop"),
+        seq_status=s.seqs.seq_status.at[rows].set(jnp.int8(SEQ_FREE), mode="drop"),
+    )
+    tokens_released = jnp.zeros((ntn,), jnp.int32).at[oob(ten, valid, ntn)].add(lens, mode="drop")
+    touched = entries.ravel()
+    unpinned = jnp.int32(0)
+    reads = (payer_read,)
+    if unpin_tenant is not None and unpin_slots > 0:
+        state, pinned, payer_mask = unpin_all(config, state, unpin_tenant, unpin_slots)
+        touched = jnp.concatenate([touched, pinned])
+        unpinned = (pinned >= 0).sum().astype(jnp.int32)
+        reads = reads + (payer_mask,)
+    state, rep = settle(config, state, touched, heirs, reads)
+    report = FreeReport(
+        seqs_freed=valid.sum().astype(jnp.int32),
+        tokens_released=tokens_released,
+        unpinned_blocks=unpinned,
+        pool_bytes=config.pool_bytes,
+        unit_bytes=config.unit_bytes,
+        **rep,
+    )
+    return state, report
+
+
+def unpin_all(config, state, tenant, slots):
+    """Drop every pin on blocks charged to `tenant`; returns their ids (i32[slots], INVALID pad).
+
+    Pinned blocks need not be in any block table, so they are found by one pass over the payer
+    column (only when the caller asks to unpin and the tenant has pins).
+    """
+    nb = config.total_blocks
+    mask = (state.blocks.payer == tenant) & (state.blocks.pin_count > 0)
+    ids = jnp.nonzero(mask, size=slots, fill_value=INVALID)[0].astype(jnp.int32)
+    keep = ids >= 0
+    pool = pool_of(config, clip(ids))
+    state = state.update(
+        pin_count=state.blocks.pin_count.at[oob(ids, keep, nb)].set(0, mode="drop"),
+        pinned_blocks=state.tenants.pinned_blocks.at[
+            oob(jnp.full_like(ids, tenant), keep, config.num_tenants), pool
+        ].add(-1, mode="drop"),
+    )
+    return state, ids, ids

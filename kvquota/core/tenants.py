@@ -1,0 +1,80 @@
+"""The tenant ledger: writing a tenant's row, and the ledger view recomputed from the tables."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kvquota.core.scatter import charged_units
+from kvquota.reports import Ledger, TenantReport
+from kvquota.state import KVState, StateConfig, pool_of
+
+def set_tenant(config: StateConfig, state: KVState, tenant, token_quota, byte_quota_units,
+               lease_expiry, salt):
+    """Write one tenant's ledger row (register, quota change, lease change)."""
+    t = tenant
+    s = state
+    state = s.update(
+        registered=s.tenants.registered.at[t].set(True),
+        token_quota=s.tenants.token_quota.at[t].set(token_quota),
+        byte_quota=s.tenants.byte_quota.at[t].set(byte_quota_units),
+        lease_expiry=s.tenants.lease_expiry.at[t].set(lease_expiry),
+        salt=s.tenants.salt.at[t].set(salt),
+    )
+    report = TenantReport(
+        tokens_over=jnp.maximum(state.tenants.used_tokens[t] - token_quota, 0),
+        units_over=jnp.maximum(charged_units(config, state)[t] - byte_quota_units, 0),
+        unit_bytes=config.unit_bytes,
+    )
+    return state, report
+
+
+# ---- ledger view ------------------------------------------------------------------------------
+def ledger(config: StateConfig, state: KVState) -> Ledger:
+    """The per-tenant ledger, including the columns recomputed on demand from the tables:
+    distinct blocks referenced but paid by others, reclaimable blocks, fragmentation."""
+    nb, ntn, npools, p = config.total_blocks, config.num_tenants, config.num_pools, config.block_size
+    s = state
+    # Distinct (tenant, block) references: sort-merge over all table entries.
+    ten = jnp.broadcast_to(s.seqs.seq_tenant[:, None], s.seqs.block_tables.shape).ravel()
+    blk = s.seqs.block_tables.ravel()
+    live = (blk >= 0) & (ten >= 0)
+    ten = jnp.where(live, ten, ntn)
+    blk = jnp.where(live, blk, nb)
+    ten_s, blk_s = lax.sort((ten, blk), num_keys=2)
+    first = (ten_s < ntn) & (
+        (ten_s != jnp.pad(ten_s[:-1], (1, 0), constant_values=-1))
+        | (blk_s != jnp.pad(blk_s[:-1], (1, 0), constant_values=-1))
+    )
+    bc = jnp.minimum(blk_s, nb - 1)
+    others = first & (s.blocks.payer[bc] != ten_s)
+    seg = jnp.where(others, ten_s * npools + pool_of(config, bc), ntn * npools)
+    shared = jax.ops.segment_sum(others.astype(jnp.int32), seg, num_segments=ntn * npools + 1)
+    shared = shared[:-1].reshape(ntn, npools)
+
+    pools = pool_of(config, jnp.arange(nb))
+    charged = s.blocks.payer >= 0
+    recl = charged & (s.blocks.pin_count == 0) & (s.blocks.ref_count == s.blocks.payer_refs)
+    seg = jnp.where(recl, s.blocks.payer * npools + pools, ntn * npools)
+    reclaim = jax.ops.segment_sum(recl.astype(jnp.int32), seg, num_segments=ntn * npools + 1)
+    reclaim = reclaim[:-1].reshape(ntn, npools)
+
+    device = jnp.asarray(config.device_pools)[pools]
+    slack = jnp.where(charged & device, p - s.blocks.fill, 0)
+    frag = jax.ops.segment_sum(slack, jnp.where(charged & device, s.blocks.payer, ntn),
+                               num_segments=ntn + 1)[:-1]
+    return Ledger(
+        used_tokens=s.tenants.used_tokens,
+        token_quota=s.tenants.token_quota,
+        byte_quota_units=s.tenants.byte_quota,
+        charged_blocks=s.tenants.charged_blocks,
+        pinned_blocks=s.tenants.pinned_blocks,
+        shared_blocks=shared,
+        reclaimable_blocks=reclaim,
+        fragmentation=frag,
+        free_blocks=s.free.free_count,
+        pool_fragmentation=slack.sum().astype(jnp.int32),
+        pool_bytes=config.pool_bytes,
+        unit_bytes=config.unit_bytes,
+    )
