@@ -65,7 +65,10 @@ def _pad(ids, size: int) -> np.ndarray:
 def _int_array(name: str, value, ndim: int) -> np.ndarray:
     """An integer array of rank `ndim` as int32; floats/bools/objects are rejected, not cast."""
     if isinstance(value, (list, tuple)):
-        value = np.asarray(value)
+        try:
+            value = np.asarray(value)
+        except ValueError as err:  # ragged nested lists
+            raise InputShapeError(f"{name} must be a rectangular integer array: {err}") from None
         if value.size == 0:
             value = value.astype(np.int32)
     if not isinstance(value, (np.ndarray, jax.Array)):
@@ -235,6 +238,8 @@ class Allocator:
         if b == 0 or tok.shape[0] != b or lens.shape[0] != b:
             raise InputShapeError(
                 f"tenants {ten.shape}, tokens {tok.shape}, lengths {lens.shape}: need B >= 1 rows each")
+        if tok.shape[1] == 0:
+            raise InputShapeError("tokens has no columns: a prompt has at least one token")
         if tok.shape[1] > c.max_tokens_per_seq:
             raise SequenceTooLongError(
                 f"tokens has {tok.shape[1]} columns; a sequence holds at most "

@@ -12,6 +12,7 @@ import pytest
 
 from kvquota import errors as E
 from kvquota.allocator import Allocator
+from kvquota.invariants import check_invariants
 from kvquota.sentinel import INVALID
 from kvquota.codes import INT32_MAX
 from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts, snapshot
@@ -114,6 +115,12 @@ CASES = [
     ("state of another config", E.StateMismatchError,
      lambda a, s, d: Allocator(dataclasses.replace(TINY, num_blocks=16)).free(s, [0], donate=d)),
     ("not a state", E.StateMismatchError, lambda a, s, d: a.free({"block_tables": 1}, [0], donate=d)),
+    ("admit zero-width tokens (all padding)", E.InputShapeError,
+     lambda a, s, d: a.admit(s, [INVALID, INVALID], np.zeros((2, 0), np.int32), [0, 0], donate=d)),
+    ("admit ragged token lists", E.InputShapeError,
+     lambda a, s, d: a.admit(s, [0, 1], [[1, 2, 3], [4]], [3, 1], donate=d)),
+    ("append ragged token lists", E.InputShapeError,
+     lambda a, s, d: a.append(s, [0, INVALID], [[1], [2, 3]], donate=d)),
 ]
 
 
@@ -144,3 +151,76 @@ def test_donated_state_cannot_be_reused():
         pytest.skip("this backend ignored donation")
     with pytest.raises(E.StateMismatchError):
         alloc.append(consumed, [0, INVALID], [5, 0])
+
+
+# ---- states that are not a state of this config: StateMismatchError from every entry point ----
+def _replace_leaf(state, path_fn, value):
+    """`state` with one leaf swapped (path_fn picks the sub-pytree and field)."""
+    group, field = path_fn
+    return state.replace(**{group: getattr(state, group).replace(**{field: value})})
+
+
+BAD_STATES = [
+    ("None", lambda s: None),
+    ("a dict", lambda s: {"seqs": s.seqs}),
+    ("a leaf that is a list", lambda s: _replace_leaf(s, ("seqs", "seq_lens"),
+                                                      np.asarray(s.seqs.seq_lens).tolist())),
+    ("a leaf that is None", lambda s: _replace_leaf(s, ("blocks", "fill"), None)),
+    ("an int64 leaf", lambda s: _replace_leaf(s, ("blocks", "ref_count"),
+                                              np.asarray(s.blocks.ref_count).astype(np.int64))),
+    ("a leaf of the wrong shape", lambda s: _replace_leaf(s, ("free", "free_count"),
+                                                          np.zeros(2, np.int32))),
+    ("pages missing", lambda s: s.replace(pages=())),
+    ("a deleted (donated) leaf", lambda s: _replace_leaf(
+        s, ("tenants", "used_tokens"), _deleted(s.tenants.used_tokens))),
+]
+
+
+def _deleted(x):
+    y = jax.numpy.array(x)
+    y.delete()
+    return y
+
+
+ENTRY_POINTS = [
+    ("ledger", lambda a, s: a.ledger(s)),
+    ("check", lambda a, s: a.check(s)),
+    ("check_invariants", lambda a, s: check_invariants(a.config, s)),
+    ("register_tenant", lambda a, s: a.register_tenant(s, 1, token_quota=1, byte_quota=1)),
+    ("set_quota", lambda a, s: a.set_quota(s, 0, token_quota=1)),
+    ("set_lease", lambda a, s: a.set_lease(s, 0, 5)),
+    ("expired_tenants", lambda a, s: a.expired_tenants(s, 0)),
+    ("admit", lambda a, s: a.admit(s, *_ok_prompt())),
+    ("append", lambda a, s: a.append(s, [0, INVALID], [1, 0])),
+    ("fork", lambda a, s: a.fork(s, [0])),
+    ("pin_blocks", lambda a, s: a.pin_blocks(s, [1])),
+    ("unpin_blocks", lambda a, s: a.unpin_blocks(s, [0])),
+    ("pin_prefix", lambda a, s: a.pin_prefix(s, 0, 1)),
+    ("unpin_prefix", lambda a, s: a.unpin_prefix(s, 0, 1)),
+    ("free", lambda a, s: a.free(s, [0])),
+    ("release_tenant", lambda a, s: a.release_tenant(s, 0)),
+]
+
+
+@pytest.mark.parametrize("entry,call", ENTRY_POINTS, ids=[e[0] for e in ENTRY_POINTS])
+@pytest.mark.parametrize("what,make", BAD_STATES, ids=[b[0] for b in BAD_STATES])
+def test_not_a_state_of_this_config_is_refused_everywhere(setup, what, make, entry, call):
+    alloc, s = setup
+    before = snapshot(s)
+    with pytest.raises(E.StateMismatchError):
+        call(alloc, make(s))
+    assert leaves_equal(before, s)
+
+
+def test_foreign_state_with_identical_shapes_is_refused():
+    """Same array shapes, another pool split (metadata-only, so no page shape tells them apart):
+    the tiers/precisions of the pool boundaries do."""
+    mine = dataclasses.replace(TINY, with_pages=False)
+    other = dataclasses.replace(mine, compressed_pools=(("int8", 2),), host_blocks=6)
+    assert mine.total_blocks == other.total_blocks and mine.num_pools == other.num_pools
+    alloc, foreign = Allocator(mine), Allocator(other).init()
+    assert jax.tree_util.tree_structure(foreign) == jax.tree_util.tree_structure(alloc.init())
+    for call in (lambda: alloc.free(foreign, [0]), lambda: alloc.ledger(foreign),
+                 lambda: alloc.check(foreign)):
+        with pytest.raises(E.StateMismatchError, match="another config"):
+            call()
