@@ -115,11 +115,20 @@ class Allocator:
         validate_state(self.config, state)
 
     # ---- small host reads for validation ---------------------------------------------------
+    @staticmethod
+    def _tenant_row(state, t: int) -> dict:
+        """One tenant's ledger settings as Python values (one host read of the [T] columns)."""
+        host = jax.device_get((state.tenants.token_quota, state.tenants.byte_quota,
+                               state.tenants.lease_expiry, state.tenants.salt))
+        tq, bq, lease, salt = (column[t] for column in host)
+        return dict(token_quota=int(tq), byte_quota=int(bq), lease_expiry=int(lease),
+                    salt=np.uint32(salt))
+
     def _tenant(self, state, tenant, *, registered=True) -> int:
         t = _int_scalar("tenant", tenant, UnknownTenantError)
         if not 0 <= t < self.config.num_tenants:
             raise UnknownTenantError(f"tenant {t} outside [0, {self.config.num_tenants})")
-        if registered and not bool(state.tenants.registered[t]):
+        if registered and not np.asarray(state.tenants.registered)[t]:
             raise UnknownTenantError(f"tenant {t} is not registered")
         return t
 
@@ -182,10 +191,10 @@ class Allocator:
             salt = private_salt(t)
         else:
             salt = group_salt(self._nonneg("share_group", share_group, 2**31 - 1))
-        if bool(state.tenants.registered[t]):
+        if np.asarray(state.tenants.registered)[t]:
             raise TenantExistsError(f"tenant {t} is already registered")
-        return core.run("set_tenant", self.config, state, t, tq, units, lease, np.uint32(salt), donate=donate)
-
+        return core.run("set_tenant", self.config, state, t, tq, units, lease, np.uint32(salt),
+                        donate=donate)
 
     def set_quota(self, state, tenant, *, token_quota=None, byte_quota=None,
                   donate=False) -> tuple[KVState, TenantReport]:
@@ -194,21 +203,20 @@ class Allocator:
         until then new admissions and appends of that tenant are refused."""
         self._check_state(state)
         t = self._tenant(state, tenant)
-        tq = int(state.tenants.token_quota[t]) if token_quota is None else self._nonneg(
-            "token_quota", token_quota)
-        units = int(state.tenants.byte_quota[t]) if byte_quota is None else self._quota_units(byte_quota)
-        return core.run("set_tenant", self.config, state, t, tq, units, int(state.tenants.lease_expiry[t]),
-                  np.uint32(state.tenants.salt[t]), donate=donate)
-
+        row = self._tenant_row(state, t)
+        tq = row["token_quota"] if token_quota is None else self._nonneg("token_quota", token_quota)
+        units = row["byte_quota"] if byte_quota is None else self._quota_units(byte_quota)
+        return core.run("set_tenant", self.config, state, t, tq, units, row["lease_expiry"],
+                        row["salt"], donate=donate)
 
     def set_lease(self, state, tenant, lease_expiry, *, donate=False):
         """Move a tenant's lease expiry step (release_tenant is the action at expiry)."""
         self._check_state(state)
         t = self._tenant(state, tenant)
         lease = self._nonneg("lease_expiry", lease_expiry)
-        return core.run("set_tenant", self.config, state, t, int(state.tenants.token_quota[t]), int(state.tenants.byte_quota[t]),
-                  lease, np.uint32(state.tenants.salt[t]), donate=donate)
-
+        row = self._tenant_row(state, t)
+        return core.run("set_tenant", self.config, state, t, row["token_quota"], row["byte_quota"],
+                        lease, row["salt"], donate=donate)
 
     def expired_tenants(self, state, step: int) -> np.ndarray:
         """Registered tenants whose lease_expiry <= step."""
@@ -255,7 +263,6 @@ class Allocator:
             raise TokenIdError(f"prompt token ids must be in [0, {c.model.vocab_size})")
         return core.run("admit", c, state, ten, tok, np.where(real, lens, 0).astype(np.int32), donate=donate)
 
-
     def append(self, state, seq_ids, tokens, *, donate=False) -> tuple[KVState, AppendReport]:
         """Append one token to each sequence: seq_ids i32[B] (unique; INVALID = padding),
         tokens i32[B]. A block is allocated when a boundary is crossed; rows over quota or pool
@@ -278,7 +285,6 @@ class Allocator:
                 f"append: a sequence already holds {c.max_tokens_per_seq} tokens (table full)")
         return core.run("append", c, state, ids, tok, donate=donate)
 
-
     def fork(self, state, seq_ids, *, donate=False) -> tuple[KVState, ForkReport]:
         """Fork running sequences (i32[B], INVALID = padding) into new slots of the same tenant:
         full blocks shared by reference, the partly filled last block copied."""
@@ -288,7 +294,6 @@ class Allocator:
             raise InputShapeError("seq_ids must have at least one row")
         self._running(state, ids, "fork")
         return core.run("fork", self.config, state, ids, donate=donate)
-
 
     # ---- pins ------------------------------------------------------------------------------
     def _blocks(self, state, block_ids, what):
@@ -313,7 +318,6 @@ class Allocator:
                 raise BlockStateError(f"pin: block {int(real[~held][0])} is free")
         return core.run("pin", self.config, state, ids, donate=donate)
 
-
     def unpin_blocks(self, state, block_ids, *, donate=False) -> tuple[KVState, FreeReport]:
         """Drop one pin on each block (i32[B]); blocks held by nothing return to their pool."""
         self._check_state(state)
@@ -324,7 +328,6 @@ class Allocator:
         payers = np.asarray(state.blocks.payer[real]) if real.size else np.zeros(0, np.int32)
         heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[payers], [])
         return core.run("unpin", self.config, state, ids, heirs, donate=donate)
-
 
     def _prefix(self, state, seq_id, num_blocks):
         sid = _int_scalar("seq_id", seq_id, UnknownSequenceError)
@@ -342,12 +345,10 @@ class Allocator:
         self._check_state(state)
         return self.pin_blocks(state, self._prefix(state, seq_id, num_blocks), donate=donate)
 
-
     def unpin_prefix(self, state, seq_id, num_blocks, *, donate=False):
         """Unpin the first `num_blocks` blocks of a running sequence."""
         self._check_state(state)
         return self.unpin_blocks(state, self._prefix(state, seq_id, num_blocks), donate=donate)
-
 
     # ---- free / release --------------------------------------------------------------------
     def free(self, state, seq_ids, *, donate=False) -> tuple[KVState, FreeReport]:
@@ -365,16 +366,14 @@ class Allocator:
         rows = _pad(real, _bucket(len(real)))
         return core.run("drop", self.config, state, rows, heirs, None, 0, donate=donate)
 
-
     def release_plan(self, state, tenant, unpin=False):
         """Host-side inputs of the jitted release (tenant's rows, heir rows, pin slots)."""
         t = self._tenant(state, tenant)
         ten = np.asarray(state.seqs.seq_tenant)
         rows = np.flatnonzero(ten == t)
         heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[[t]], rows)
-        slots = _bucket(int(np.asarray(state.tenants.pinned_blocks[t]).sum())) if unpin else 0
-        if unpin and int(np.asarray(state.tenants.pinned_blocks[t]).sum()) == 0:
-            slots = 0
+        pinned = int(np.asarray(state.tenants.pinned_blocks)[t].sum()) if unpin else 0
+        slots = _bucket(pinned) if pinned else 0
         return t, _pad(rows, _bucket(len(rows))), heirs, slots
 
     def release_tenant(self, state, tenant, *, unpin=False, donate=False
@@ -387,5 +386,6 @@ class Allocator:
         if not isinstance(unpin, bool):
             raise InputDtypeError(f"unpin must be a bool, got {unpin!r}")
         t, rows, heirs, slots = self.release_plan(state, tenant, unpin)
-        return core.run("drop", self.config, state, rows, heirs, np.int32(t) if slots else None, slots, donate=donate)
+        return core.run("drop", self.config, state, rows, heirs, np.int32(t) if slots else None,
+                        slots, donate=donate)
 

@@ -408,7 +408,15 @@ def _expected(config: StateConfig):
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
     bounds = sorted({i for s, n in zip(config.pool_starts, config.pool_sizes) for i in (s, s + n - 1)})
-    return treedef, list(zip(paths, leaves)), np.asarray(bounds, np.int32)
+    pools = pool_of(config, np.asarray(bounds), xp=np)
+    codes = np.stack([np.asarray(config.pool_tiers)[pools], np.asarray(config.pool_precisions)[pools]])
+    return treedef, list(zip(paths, leaves)), np.asarray(bounds, np.int32), codes
+
+
+@jax.jit
+def _pool_codes(tier, precision, bounds):
+    """i32[2, K]: tier and precision of the blocks `bounds` (one small dispatch, one host read)."""
+    return jnp.stack([tier[bounds], precision[bounds]]).astype(jnp.int32)
 
 
 def validate_state(config: StateConfig, state) -> None:
@@ -422,7 +430,7 @@ def validate_state(config: StateConfig, state) -> None:
     """
     if not isinstance(state, KVState):
         raise StateMismatchError(f"expected a KVState, got {type(state).__name__}")
-    treedef, expected, bounds = _expected(config)
+    treedef, expected, bounds, codes = _expected(config)
     leaves, got_def = jax.tree_util.tree_flatten(state)
     if got_def != treedef:
         raise StateMismatchError(
@@ -437,10 +445,7 @@ def validate_state(config: StateConfig, state) -> None:
             raise StateMismatchError(
                 f"state field {path} is {leaf.dtype}{tuple(leaf.shape)}, this config needs "
                 f"{want.dtype}{tuple(want.shape)}")
-    got = np.asarray(jnp.stack([state.blocks.tier[bounds].astype(jnp.int32),
-                                state.blocks.precision[bounds].astype(jnp.int32)]))
-    pools = pool_of(config, bounds, xp=np)
-    want = np.stack([np.asarray(config.pool_tiers)[pools], np.asarray(config.pool_precisions)[pools]])
-    if not np.array_equal(got, want):
+    if not np.array_equal(np.asarray(_pool_codes(state.blocks.tier, state.blocks.precision, bounds)),
+                          codes):
         raise StateMismatchError("state belongs to another config: its pools' tiers or precisions "
                                  "differ (a different pool split)")
