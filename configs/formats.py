@@ -17,7 +17,6 @@ KV Cache"):
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 from configs.errors import FormatSpecError, UnknownFormatError
@@ -33,7 +32,8 @@ class QuantSpec:
       bits: bits per stored value (8, 4 or 2); values narrower than a byte are packed.
       scale_axis: "token": each token has its own scales, one per `group` channels;
         "channel": each channel has one scale over the page's tokens (KIVI keys).
-      group: channels per scale group when `scale_axis == "token"` (capped at head_dim).
+      group: channels per scale group when `scale_axis == "token"` (capped at head_dim; a
+        larger head_dim must be a multiple of it, see `check_head_dim`).
       asymmetric: whether a zero point is stored beside each scale.
     """
 
@@ -42,15 +42,37 @@ class QuantSpec:
     group: int = 0
     asymmetric: bool = False
 
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raises FormatSpecError unless `head_dim` fits this spec: a positive whole number of
+        bytes of packed codes and, for per-token scales, a whole number of scale groups.
+
+        The one place this is decided: the byte accounting (`num_scales`, `page_bytes`), the
+        array layout (`data_shape`, `scale_shape`) and quantization all call it.
+        """
+        if head_dim <= 0 or (head_dim * self.bits) % 8:
+            raise FormatSpecError(
+                f"head_dim {head_dim} is not a whole number of bytes at {self.bits} bits")
+        if self.scale_axis == "token" and self.group and head_dim > self.group \
+                and head_dim % self.group:
+            raise FormatSpecError(
+                f"head_dim {head_dim} is not a multiple of the {self.bits}-bit scale group "
+                f"{self.group} (a partial last group has no defined scale)")
+
     def group_size(self, head_dim: int) -> int:
         """Channels that share one scale within a token (head_dim for a per-token scale)."""
+        self.check_head_dim(head_dim)
         return min(self.group, head_dim) if self.group else head_dim
+
+    def groups_per_token(self, head_dim: int) -> int:
+        """Scale groups per token (per-token specs): head_dim / group_size, exactly."""
+        return head_dim // self.group_size(head_dim)
 
     def num_scales(self, block_size: int, head_dim: int) -> int:
         """Scales (and as many zero points, if asymmetric) stored per page."""
+        self.check_head_dim(head_dim)
         if self.scale_axis == "channel":
             return head_dim
-        return block_size * math.ceil(head_dim / self.group_size(head_dim))
+        return block_size * self.groups_per_token(head_dim)
 
     def page_bytes(self, block_size: int, head_dim: int) -> int:
         """Bytes of one page: packed data plus scales plus zero points."""
@@ -68,13 +90,15 @@ class QuantSpec:
 
     def data_shape(self, heads: int, blocks: int, block_size: int, head_dim: int):
         """[H, N, P, D * bits / 8]: packed codes."""
+        self.check_head_dim(head_dim)
         return (heads, blocks, block_size, head_dim * self.bits // 8)
 
     def scale_shape(self, heads: int, blocks: int, block_size: int, head_dim: int):
         """[H, N, P, D / group] per token, or [H, N, 1, D] per channel; bf16 (zero points alike)."""
+        self.check_head_dim(head_dim)
         if self.scale_axis == "channel":
             return (heads, blocks, 1, head_dim)
-        return (heads, blocks, block_size, math.ceil(head_dim / self.group_size(head_dim)))
+        return (heads, blocks, block_size, self.groups_per_token(head_dim))
 
 
 @dataclasses.dataclass(frozen=True)

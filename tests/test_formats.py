@@ -1,8 +1,11 @@
 """KV storage formats: bytes per block against hand arithmetic (head_dim 64, block 16 unless noted)."""
 
+import jax.numpy as jnp
 import pytest
 
+from configs.errors import FormatSpecError, KVQuotaError
 from configs.formats import KV_FORMATS, UnknownFormatError, get_kv_format
+from kernels.quantization import empty_quantized_pages, quantize_pages
 
 # Hand arithmetic for one KV head, one layer, block of 16 tokens, head_dim 64 (K page + V page).
 #   bf16/f16: 2 x 16*64*2 = 4096            f32: 8192          fp8: 2048
@@ -63,3 +66,52 @@ def test_array_layout_matches_page_bytes(name):
 def test_unknown_format_names_the_choices():
     with pytest.raises(UnknownFormatError, match="bf16.*int8.*kivi4"):
         get_kv_format("int3")
+
+
+# head_dim that no per-token scale group divides: int4 groups 64 channels, kivi values 32.
+UNGROUPABLE = [("int4", "key", 96), ("int4", "value", 80), ("kivi2", "value", 48),
+               ("kivi4", "value", 80)]
+
+
+@pytest.mark.parametrize("name,role,head_dim", UNGROUPABLE)
+def test_partial_scale_group_is_rejected_by_the_accounting(name, role, head_dim):
+    """No ceil(D / group) scale count: the bytes charged would describe a layout that
+    quantization cannot produce."""
+    fmt = get_kv_format(name)
+    spec = fmt.key if role == "key" else fmt.value
+    page_bytes = fmt.key_page_bytes if role == "key" else fmt.value_page_bytes
+    calls = [lambda: spec.num_scales(16, head_dim), lambda: spec.page_bytes(16, head_dim),
+             lambda: spec.scale_shape(2, 3, 16, head_dim), lambda: page_bytes(16, head_dim),
+             lambda: fmt.head_block_bytes(16, head_dim),
+             lambda: fmt.fraction_of_bf16(16, head_dim)]
+    for call in calls:
+        with pytest.raises(FormatSpecError, match=f"head_dim {head_dim} .*scale group"):
+            call()
+
+
+@pytest.mark.parametrize("name,role,head_dim", UNGROUPABLE)
+def test_partial_scale_group_is_rejected_by_quantization(name, role, head_dim):
+    """The same check, the same typed error, on the quantizing side (and for empty pools)."""
+    with pytest.raises(FormatSpecError, match=f"head_dim {head_dim} .*scale group"):
+        quantize_pages(jnp.ones((1, 2, 16, head_dim)), name, role)
+    with pytest.raises(FormatSpecError, match=f"head_dim {head_dim} .*scale group"):
+        empty_quantized_pages(name, role, 1, 2, 16, head_dim)
+
+
+def test_whole_groups_and_small_head_dims_are_accepted():
+    # a multiple of the group, or at most one group (capped at head_dim)
+    assert get_kv_format("int4").value.num_scales(16, 192) == 16 * 3
+    assert get_kv_format("int4").value.num_scales(16, 48) == 16
+    assert get_kv_format("kivi2").value.num_scales(16, 96) == 16 * 3
+    assert get_kv_format("kivi2").key.num_scales(16, 48) == 48  # per channel: any head_dim
+
+
+def test_codes_must_fill_whole_bytes():
+    with pytest.raises(FormatSpecError, match="whole number of bytes at 2 bits"):
+        get_kv_format("kivi2").key_page_bytes(16, 6)
+    with pytest.raises(FormatSpecError, match="whole number of bytes at 4 bits"):
+        quantize_pages(jnp.ones((1, 1, 16, 5)), "int4", "key")
+
+
+def test_format_errors_are_kvquota_errors():
+    assert issubclass(FormatSpecError, KVQuotaError) and issubclass(FormatSpecError, ValueError)
