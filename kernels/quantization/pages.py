@@ -149,34 +149,64 @@ def dequantize_pages(pages: QuantizedPages, dtype=jnp.float32) -> jax.Array:
     return dequantize_tile(pages.data, pages.scales, pages.zeros, pages.spec, dtype)
 
 
+def _slot_mask(fill: jax.Array | None, shape: tuple[int, int, int, int]) -> jax.Array | None:
+    """bool[1, N, P, 1]: slot s of page n holds a token (s < fill[n]); None when every slot does."""
+    if fill is None:
+        return None
+    _, n, p, _ = shape
+    fill = jnp.asarray(fill)
+    if fill.shape != (n,) or not jnp.issubdtype(fill.dtype, jnp.integer):
+        raise ValueError(f"fill must be an integer array [N] = [{n}] of tokens per page, got "
+                         f"shape {fill.shape} dtype {fill.dtype}")
+    slots = jnp.arange(p, dtype=jnp.int32)
+    return (slots[None, :] < fill.astype(jnp.int32)[:, None])[None, :, :, None]
+
+
 def quantize_pages(
     x: jax.Array,  # [H, N, P, D] float
     kv_format: KVFormat | str,
     role: str,
+    fill: jax.Array | None = None,  # i32[N]: tokens stored in each page (its first fill[n] slots)
 ) -> QuantizedPages:
     """Quantizes whole pages to `kv_format`'s spec for `role` ("key" or "value").
+
+    `fill[n]` is how many tokens page n holds (its slots 0 .. fill[n]-1, as the state's per-block
+    `fill`); None means all P. Slots past the fill never reach a scale or zero point — they may
+    hold NaN or another tenant's stale data, and per-channel (KIVI key) scales reduce over the
+    page's tokens, so an unmasked tail would corrupt the valid keys of a partial last page. Those
+    slots are stored as zeros (per-token: a zero scale; per-channel: code 0, the zero point; a
+    page with no token at all: zero scales), so every stored scale, zero point and dequantized
+    value is finite.
 
     Scales and zero points are rounded to bf16 first and the codes computed against the rounded
     values, so dequantization sees exactly what is stored.
     """
     fmt, spec = _spec_for(kv_format, role)
     h, n, p, d = x.shape
-    if (d * spec.bits) % 8:
-        raise ValueError(f"head_dim {d} is not a whole number of bytes at {spec.bits} bits")
+    spec.check_head_dim(d)  # raises FormatSpecError, as the byte accounting does
     x = x.astype(jnp.float32)
+    valid = _slot_mask(fill, x.shape)
+    if valid is not None:
+        x = jnp.where(valid, x, 0.0)  # NaN and stale tails gone before any arithmetic
     if spec.scale_axis == "token":
         group = spec.group_size(d)
-        if d % group:
-            raise ValueError(f"head_dim {d} is not a multiple of the scale group {group}")
         xg = x.reshape(h, n, p, d // group, group)
         reduce_axis = -1
+        # A per-token scale sees only its own token: a zeroed slot gets scale 0, code "0".
+        lo_in, hi_in = xg, xg
     else:
         xg = x  # one scale per channel over the page's tokens (axis -2)
         reduce_axis = -2
+        # Padding slots must not widen the range: +inf / -inf are neutral for min / max.
+        lo_in = xg if valid is None else jnp.where(valid, xg, jnp.inf)
+        hi_in = xg if valid is None else jnp.where(valid, xg, -jnp.inf)
+
+    def finite(a):  # an all-padding page reduces to +-inf: store zeros instead
+        return a if valid is None else jnp.where(jnp.isfinite(a), a, 0.0)
 
     if spec.asymmetric:
-        lo = jnp.min(xg, axis=reduce_axis, keepdims=True)
-        hi = jnp.max(xg, axis=reduce_axis, keepdims=True)
+        lo = finite(jnp.min(lo_in, axis=reduce_axis, keepdims=True))
+        hi = finite(jnp.max(hi_in, axis=reduce_axis, keepdims=True))
         levels = (1 << spec.bits) - 1
         scale = ((hi - lo) / levels).astype(jnp.bfloat16)
         zero = lo.astype(jnp.bfloat16)
@@ -185,7 +215,8 @@ def quantize_pages(
         codes = jnp.clip(jnp.round((xg - zero.astype(jnp.float32)) / safe), 0, levels)
     else:
         qmax = (1 << (spec.bits - 1)) - 1
-        scale = (jnp.max(jnp.abs(xg), axis=reduce_axis, keepdims=True) / qmax).astype(jnp.bfloat16)
+        amax = jnp.max(jnp.abs(xg), axis=reduce_axis, keepdims=True)  # padding is 0: neutral
+        scale = (amax / qmax).astype(jnp.bfloat16)
         zero = None
         s32 = scale.astype(jnp.float32)
         safe = jnp.where(s32 > 0, s32, 1.0)
@@ -193,6 +224,8 @@ def quantize_pages(
         if spec.bits < 8:
             codes = codes + (1 << (spec.bits - 1))
     codes = codes.reshape(h, n, p, d)
+    if valid is not None and spec.asymmetric:  # padding slots: code 0, the zero point
+        codes = jnp.where(valid, codes, 0.0)
     if spec.bits == 8:
         data = codes.astype(jnp.dtype(spec.data_dtype))
     else:
@@ -203,10 +236,12 @@ def quantize_pages(
 
 
 def quantize_kv(
-    k: jax.Array, v: jax.Array, kv_format: KVFormat | str
+    k: jax.Array, v: jax.Array, kv_format: KVFormat | str, fill: jax.Array | None = None
 ) -> tuple[QuantizedPages, QuantizedPages]:
-    """Quantizes K and V pages [H, N, P, D] with the format's key and value specs."""
-    return quantize_pages(k, kv_format, "key"), quantize_pages(v, kv_format, "value")
+    """Quantizes K and V pages [H, N, P, D] with the format's key and value specs; `fill`
+    (i32[N], tokens per page) as in `quantize_pages`."""
+    return (quantize_pages(k, kv_format, "key", fill),
+            quantize_pages(v, kv_format, "value", fill))
 
 
 def empty_quantized_pages(

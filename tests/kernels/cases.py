@@ -40,6 +40,15 @@ class Case:
     def page_size(self) -> int:
         return self.k_pages.shape[2]
 
+    @property
+    def fill(self) -> np.ndarray:
+        """i32[N] tokens stored in each page (the state's per-block `fill`): what quantizing
+        must be told so the NaN slots past it reach no scale. Owned slots are a prefix."""
+        fill = self.owned.sum(axis=1).astype(np.int32)
+        prefix = np.arange(self.page_size)[None, :] < fill[:, None]
+        assert np.array_equal(prefix, self.owned), "owned slots are not a prefix of each page"
+        return fill
+
 
 def make_case(
     seed: int,

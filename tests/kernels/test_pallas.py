@@ -126,10 +126,13 @@ def test_prefill_sweep(params):
 
 @pytest.mark.parametrize("name", ["int8", "int4", "kivi2", "kivi4"])
 def test_quantized_kernel_matches_dequantized_reference(name):
-    """In-kernel dequantization equals attention over dequantized pages, at f32 tolerance."""
+    """In-kernel dequantization equals attention over dequantized pages, at f32 tolerance.
+
+    Unused slots hold NaN (partial last pages of lengths 1 and 33, spare pages): quantizing is
+    told each page's fill, so no NaN reaches a scale (KIVI keys: per channel over the page)."""
     c = make_case(31, batch=3, q_heads=6, kv_heads=2, head_dim=64, page_size=16, max_blocks=4,
-                  lengths=[1, 33, 64], nan_fill=False)
-    k, v = quantize_kv(jnp.asarray(c.k_pages), jnp.asarray(c.v_pages), name)
+                  lengths=[1, 33, 64])
+    k, v = quantize_kv(jnp.asarray(c.k_pages), jnp.asarray(c.v_pages), name, fill=c.fill)
     kd, vd = dequantize_pages(k), dequantize_pages(v)
     want, want_aux = pa.decode(c.q, kd, vd, c.block_tables, c.lengths, mass="block",
                                backend="reference")
@@ -146,12 +149,14 @@ def test_quantized_kernel_matches_dequantized_reference(name):
 def test_quantized_error_vs_full_precision_by_format():
     """Reported per format; more bits must mean less error (int8 < 4-bit formats < kivi2)."""
     c = make_case(32, batch=4, q_heads=9, kv_heads=3, head_dim=64, page_size=16, max_blocks=8,
-                  lengths=[100, 128, 57, 1], nan_fill=False)
+                  lengths=[100, 128, 57, 1])  # NaN past every length
     full = np.asarray(pa.decode(c.q, c.k_pages, c.v_pages, c.block_tables, c.lengths))
+    assert not np.isnan(full).any()
     err = {}
     for name in ["int8", "int4", "kivi2", "kivi4"]:
-        k, v = quantize_kv(jnp.asarray(c.k_pages), jnp.asarray(c.v_pages), name)
+        k, v = quantize_kv(jnp.asarray(c.k_pages), jnp.asarray(c.v_pages), name, fill=c.fill)
         out = np.asarray(pa.decode(c.q, k, v, c.block_tables, c.lengths))
+        assert not np.isnan(out).any(), f"{name}: NaN from the unused slots"
         err[name] = float(np.sqrt(np.mean((out - full) ** 2)))
     print("rms error vs full precision:", err)
     assert err["int8"] < min(err["int4"], err["kivi4"])
@@ -173,8 +178,8 @@ def test_kernel_rejects_unlowerable_blocks(bad, match):
 def test_quantized_prefill_matches_dequantized_reference():
     """Chunked prefill on KIVI pages (2-bit values, per-channel keys) through the kernel."""
     c = make_case(33, batch=2, q_heads=6, kv_heads=2, head_dim=64, page_size=16, max_blocks=3,
-                  lengths=[20, 48], nan_fill=False, query_len=6)
-    k, v = quantize_kv(jnp.asarray(c.k_pages), jnp.asarray(c.v_pages), "kivi2")
+                  lengths=[20, 48], query_len=6)  # NaN in the tail of the 20-token page
+    k, v = quantize_kv(jnp.asarray(c.k_pages), jnp.asarray(c.v_pages), "kivi2", fill=c.fill)
     q_start = np.array([15, 43], np.int32)  # 5 valid rows each, the sixth is padding
     want, want_aux = pa.prefill(c.q, dequantize_pages(k), dequantize_pages(v), c.block_tables,
                                 c.lengths, q_start, mass="token", backend="reference")

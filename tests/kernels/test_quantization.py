@@ -117,3 +117,63 @@ def test_quantized_pages_is_a_pytree_with_static_format():
 def test_quantize_rejects_unquantized_format():
     with pytest.raises(ValueError, match="bf16"):
         quantize_pages(jnp.ones((1, 1, 16, 64)), "bf16", "key")
+
+
+def _poisoned_pages(poison, seed=3):
+    """Pages [2, 3, 16, 64] with fills 16, 5 and 0; slots past the fill hold `poison` (NaN, or
+    stale data far outside the valid range). Also returns the pages with each tail replaced by
+    copies of the page's first token, which changes no scale (per token or per channel)."""
+    x = np.asarray(3.0 * jax.random.normal(jax.random.PRNGKey(seed), (2, 3, 16, 64)))
+    fill = np.array([16, 5, 0], np.int32)
+    tail = np.arange(16)[None, :, None] >= fill[:, None, None]  # [N, P, 1]
+    poisoned = np.where(tail[None], poison, x).astype(np.float32)
+    neutral = np.where(tail[None], x[:, :, :1], x).astype(np.float32)
+    return poisoned, neutral, fill, tail
+
+
+@pytest.mark.parametrize("poison", [np.nan, 1e4], ids=["nan", "stale"])
+@pytest.mark.parametrize("role", ["key", "value"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_slots_past_fill_reach_no_scale(name, role, poison):
+    """A partial last page: its tail (NaN or stale) must not move the valid tokens' scales.
+
+    KIVI keys take one scale per channel over the page's tokens, so an unmasked tail would set
+    every valid key of the page to NaN (or widen its step 1000-fold)."""
+    poisoned, neutral, fill, tail = _poisoned_pages(poison)
+    q = quantize_pages(jnp.asarray(poisoned), name, role, fill=jnp.asarray(fill))
+    for a in (q.scales, q.zeros):
+        assert a is None or np.isfinite(np.asarray(a, np.float32)).all()
+    got = np.asarray(dequantize_pages(q))
+    assert np.isfinite(got).all()
+    want = np.asarray(dequantize_pages(quantize_pages(jnp.asarray(neutral[:, :2]), name, role)))
+    valid = ~np.broadcast_to(tail[None], got.shape)
+    np.testing.assert_array_equal(got[:, :2][valid[:, :2]], want[valid[:, :2]])
+    # An empty page stores zero scales; every padding slot dequantizes to a finite value.
+    assert np.all(np.asarray(q.scales, np.float32)[:, 2] == 0)
+    # The same fill through quantize_kv, and under jit (fill traced).
+    k, v = jax.jit(lambda x, f: quantize_kv(x, x, name, fill=f))(jnp.asarray(poisoned),
+                                                                jnp.asarray(fill))
+    again = k if role == "key" else v
+    np.testing.assert_array_equal(np.asarray(dequantize_pages(again)), got)
+
+
+@pytest.mark.parametrize("poison", [np.nan, 1e4], ids=["nan", "stale"])
+def test_without_fill_a_tail_spoils_kivi_keys(poison):
+    """Why `fill` exists: unmasked, the tail moves the per-channel range of the page's valid
+    keys (NaN gives NaN, or, as XLA's CPU min/max may skip NaN, a wrong range; stale data a
+    step ~1000x too coarse)."""
+    poisoned, _, fill, tail = _poisoned_pages(poison)
+    masked = np.asarray(dequantize_pages(quantize_pages(jnp.asarray(poisoned), "kivi2", "key",
+                                                        fill=jnp.asarray(fill))))
+    unmasked = np.asarray(dequantize_pages(quantize_pages(jnp.asarray(poisoned), "kivi2", "key")))
+    valid = slice(0, int(fill[1]))  # page 1: 5 valid tokens
+    assert not np.array_equal(unmasked[:, 1, valid], masked[:, 1, valid])
+    # the full page (no tail) is the same either way
+    np.testing.assert_array_equal(unmasked[:, 0], masked[:, 0])
+
+
+def test_fill_must_name_every_page():
+    with pytest.raises(ValueError, match="fill must be an integer array"):
+        quantize_pages(jnp.ones((1, 3, 16, 64)), "kivi2", "key", fill=jnp.array([16, 5]))
+    with pytest.raises(ValueError, match="fill must be an integer array"):
+        quantize_pages(jnp.ones((1, 3, 16, 64)), "kivi2", "key", fill=jnp.ones(3))
