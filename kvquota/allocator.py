@@ -38,7 +38,6 @@ from kvquota.errors import (
     InputShapeError,
     QuotaValueError,
     SequenceTooLongError,
-    StateMismatchError,
     TenantExistsError,
     TokenIdError,
     UnknownSequenceError,

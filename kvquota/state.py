@@ -11,7 +11,7 @@ Layout (DESIGN.md §2 "State"):
   `[L, Hkv, N_p, P, D]` for pool 0 (so `pages[0].k[l]` is the `[Hkv, N, P, D]` layout the
   paged-attention kernels take), `QuantizedPages` with a leading `[L]` axis for each compressed
   pool, and for the host pool full-precision arrays placed in host memory (`pinned_host`) wherever
-  the device offers it. A block's page index inside its pool is `block id - pool_starts[p]`.
+  the device offers it (`kvquota.pages`). A block's page index inside its pool is `block id - pool_starts[p]`.
   With `with_pages=False` the state is metadata-only (`pages == ()`), which is how the allocator
   runs at Qwen2.5-72B scale.
 * **Bytes.** JAX is 32-bit by default and a Qwen2.5-72B block is 5 MiB, so byte quantities in the
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Union
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +34,10 @@ from flax import struct
 
 from configs.formats import KVFormat, get_kv_format
 from configs.models import ModelConfig
-from kernels.quantization import QuantizedPages, empty_quantized_pages
 from kvquota.accounting import KVLayout, check_positive
 from kvquota.codes import INT32_MAX, TIER_DEVICE, TIER_HOST
 from kvquota.errors import StateMismatchError
+from kvquota.pages import PoolPages, init_pages
 from kvquota.sentinel import INVALID
 
 
@@ -259,18 +259,6 @@ class Tenants:
     pinned_blocks: jax.Array  # i32[T, POOLS]  charged blocks with pin_count > 0
 
 
-Pages = Union[jax.Array, QuantizedPages]
-
-
-@struct.dataclass
-class PoolPages:
-    """K and V pages of one pool: dtype[L, Hkv, N_p, P, D] for full-precision pools (host memory
-    for the host pool), or `QuantizedPages` whose arrays carry a leading [L] axis."""
-
-    k: Pages
-    v: Pages
-
-
 _GROUPS = {"blocks": Blocks, "free": FreeLists, "seqs": Sequences, "tenants": Tenants}
 _FIELD_GROUP = {f.name: g for g, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
 
@@ -315,43 +303,6 @@ def pool_of(config: StateConfig, block_ids, xp=jnp):
     for start in config.pool_starts[1:]:
         pool = pool + (ids >= start).astype(xp.int32)
     return pool
-
-
-def host_sharding():
-    """Where the host pool lives: `pinned_host` memory of the default device when it offers it
-    (the CPU backend of jax >= 0.10 does; so do GPUs), else None (ordinary device memory)."""
-    device = jax.devices()[0]
-    try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except (AttributeError, NotImplementedError):  # backends without memory spaces
-        return None
-    if "pinned_host" not in kinds:
-        return None
-    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-
-
-def init_pages(config: StateConfig) -> tuple[PoolPages, ...]:
-    """Zeroed pages for every pool (pool order), or () for a metadata-only config."""
-    if not config.with_pages:
-        return ()
-    m = config.model
-    pages = []
-    for pool, fmt in enumerate(config.pool_formats):
-        shape = config.page_shape(pool)
-        if fmt.quantized:
-            pair = []
-            for role in ("key", "value"):
-                one = jax.eval_shape(lambda r=role: empty_quantized_pages(
-                    fmt, r, m.num_kv_heads, shape[2], config.block_size, m.head_dim))
-                pair.append(jax.tree.map(lambda a: jnp.zeros((m.num_layers,) + a.shape, a.dtype),
-                                         one))
-            pages.append(PoolPages(k=pair[0], v=pair[1]))
-            continue
-        k, v = (jnp.zeros(shape, config.page_dtype) for _ in range(2))
-        if pool == config.host_pool and host_sharding() is not None:
-            k, v = (jax.device_put(a, host_sharding()) for a in (k, v))
-        pages.append(PoolPages(k=k, v=v))
-    return tuple(pages)
 
 
 def init_state(config: StateConfig) -> KVState:

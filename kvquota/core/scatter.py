@@ -9,6 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvquota.state import StateConfig
+
+
 def oob(idx, keep, n):
     """`idx` where `keep`, else the out-of-bounds index n (dropped by mode="drop" scatters)."""
     return jnp.where(keep, idx, n)

@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.models import ModelConfig
-from kvquota.errors import ContextTooLongError
 
 
 # --------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def _render_chatml(template: str, messages, add_generation_prompt: bool) -> str:
 
 def from_gguf(path) -> Tokenizer:
     """Builds the tokenizer stored in a GGUF file's metadata (tokenizer.ggml.*)."""
-    from kvquota.model.weights import _field, _gguf_reader
+    from kvquota.model.gguf import _field, _gguf_reader
 
     reader = _gguf_reader(path)
     kind = _field(reader, "tokenizer.ggml.model")
@@ -184,7 +184,7 @@ def from_hf_dir(directory) -> Tokenizer:
 
 def load_tokenizer(model: str, path=None) -> Tokenizer:
     """The tokenizer matching `kvquota.model.weights.load_pretrained(model, path)`."""
-    from kvquota.model.weights import smollm2_gguf_path
+    from kvquota.model.gguf import smollm2_gguf_path
 
     if path is None:
         return from_gguf(smollm2_gguf_path()) if model == "smollm2-135m" else _no_path(model)

@@ -15,6 +15,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from configs.models import get_model_config
+from kvquota import errors
 from kvquota import serving as engine
 from kvquota.model import tokenizer, weights
 
@@ -49,7 +50,7 @@ def test_smollm2_gguf_matches_preset(smollm2):
     assert params["layers"]["attn"]["q_proj"]["kernel"].shape == (30, 576, 576)
     assert params["layers"]["attn"]["k_proj"]["kernel"].shape == (30, 576, 192)
     assert "lm_head" not in params  # tied embeddings
-    with pytest.raises(weights.ConfigMismatchError, match="num_layers"):
+    with pytest.raises(errors.ConfigMismatchError, match="num_layers"):
         weights.load_gguf(weights.smollm2_gguf_path(), "qwen2.5-0.5b")
 
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from configs.models import get_model_config
+from kvquota import errors
 from kvquota import model as M
+from kvquota.model import gguf as gguf_weights
 from kvquota.model import weights
 
 
@@ -57,12 +59,12 @@ def test_safetensors_qkv_bias_is_used(tmp_path):
 
 
 def test_safetensors_missing_files(tmp_path):
-    with pytest.raises(weights.WeightsNotFoundError, match="config.json"):
+    with pytest.raises(errors.WeightsNotFoundError, match="config.json"):
         weights.load_safetensors(tmp_path / "nowhere")
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(weights.WeightsNotFoundError, match="safetensors"):
+    with pytest.raises(errors.WeightsNotFoundError, match="safetensors"):
         weights.load_safetensors(tmp_path)
-    assert issubclass(weights.WeightsNotFoundError, FileNotFoundError)
+    assert issubclass(errors.WeightsNotFoundError, FileNotFoundError)
 
 
 def test_safetensors_wrong_architecture(tmp_path):
@@ -71,20 +73,20 @@ def test_safetensors_wrong_architecture(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(weights.UnsupportedArchitectureError, match="GPT2LMHeadModel"):
+    with pytest.raises(errors.UnsupportedArchitectureError, match="GPT2LMHeadModel"):
         weights.load_safetensors(tmp_path)
 
 
 def test_safetensors_preset_mismatch(tmp_path):
     config = get_model_config("tiny-qwen")
     weights.save_safetensors(tmp_path, config, M.init_params(config))
-    with pytest.raises(weights.ConfigMismatchError,
+    with pytest.raises(errors.ConfigMismatchError,
                        match="hidden_size: checkpoint 64 vs preset 96"):
         weights.load_safetensors(tmp_path, "tiny-qwen-untied")
 
 
 def test_gguf_missing_and_wrong_architecture(tmp_path):
-    with pytest.raises(weights.WeightsNotFoundError, match="not found"):
+    with pytest.raises(errors.WeightsNotFoundError, match="not found"):
         weights.load_gguf(tmp_path / "missing.gguf")
     path = tmp_path / "gpt2.gguf"
     writer = gguf.GGUFWriter(path, "gpt2")
@@ -93,10 +95,10 @@ def test_gguf_missing_and_wrong_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(weights.UnsupportedArchitectureError, match="'gpt2'"):
+    with pytest.raises(errors.UnsupportedArchitectureError, match="'gpt2'"):
         weights.load_gguf(path)
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
-    with pytest.raises(weights.WeightsError):
+    with pytest.raises(errors.WeightsError):
         weights.load_gguf(tmp_path / "junk.gguf")
 
 
@@ -112,5 +114,5 @@ def test_unpermute_inverts_llama_cpp_permutation(shape):
     w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     heads = 3 if shape[0] == 24 else 2
     np.testing.assert_array_equal(
-        weights._unpermute_rope_rows(_llama_cpp_permute(w, heads), heads), w
+        gguf_weights._unpermute_rope_rows(_llama_cpp_permute(w, heads), heads), w
     )
