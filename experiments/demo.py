@@ -18,9 +18,10 @@ import sys
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import kvquota as kq
+from experiments import cli
 
 
 SYSTEM = (
@@ -35,13 +36,14 @@ QUESTIONS = {
 }
 
 FLAGS = flags.FLAGS
+# The demo's sequences hold 16 blocks of 16 tokens; the longest prompt takes 63 of them.
+MAX_NEW_TOKENS = 192
 
 
-def _define_flags():
-    """Defined only when run as a program, so tests can import this module beside other
-    experiments whose flags share names (absl forbids defining a flag twice)."""
-    flags.DEFINE_integer("max_new_tokens", 40, "Tokens generated per request at most.")
-    flags.DEFINE_boolean("json", False, "Print the results as one JSON object.")
+def define_flags():
+    flags.DEFINE_integer("max_new_tokens", 40, "Tokens generated per request at most.",
+                         lower_bound=1, upper_bound=MAX_NEW_TOKENS)
+    cli.define_json("Print the results as one JSON object.")
 
 
 def _ledger_rows(engine) -> list[dict]:
@@ -142,5 +144,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run(main, define_flags)

@@ -5,6 +5,9 @@ r"""Teacher-forced scoring of a text file on the paged KV cache.
 prints one JSON object (other tools read it): `token_ids` (the text's tokens truncated to the
 first N, as fed to the model), `nll` (natural-log negative log-likelihood of each token after the
 first: len(token_ids) - 1 values) and `ppl` (exp of their mean), plus the run's settings.
+
+Everything is checked before the weights load: the flags, the text (at least 2 tokens, at most
+the preset's context).
 """
 
 from __future__ import annotations
@@ -14,39 +17,55 @@ import pathlib
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 import kvquota as kq
+from experiments import cli
 
 FLAGS = flags.FLAGS
+MAX_BLOCK_SIZE = 1024  # one block's pages are allocated whole: 10^5 tokens per block is gigabytes
 
 
-def _define_flags():
-    """Defined only when run as a program, so tests can import this module beside other
-    experiments whose flags share names (absl forbids defining a flag twice)."""
-    flags.DEFINE_string("model", "smollm2-135m", "Model preset name.")
-    flags.DEFINE_string(
-        "weights", None,
-        "A .gguf file or Hugging Face checkpoint dir (default: the packaged SmolLM2).")
+def define_flags():
+    cli.define_model_source()
     flags.DEFINE_string("text_file", None, "UTF-8 text to score.", required=True)
-    flags.DEFINE_integer("max_tokens", 512, "Score the first N tokens (0: all).")
-    flags.DEFINE_integer("chunk_size", 256, "Prefill chunk length.")
-    flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
-    flags.DEFINE_string("kv_format", "f32", "KV page format (f32, bf16, ...).")
-    flags.DEFINE_boolean("json", False, "Print one JSON object.")
+    flags.DEFINE_integer("max_tokens", 512, "Score the first N tokens (0: all).", lower_bound=0)
+    flags.DEFINE_integer("chunk_size", 256, "Prefill chunk length.", lower_bound=1)
+    flags.DEFINE_integer("block_size", 16, "Tokens per KV block.", lower_bound=1,
+                         upper_bound=MAX_BLOCK_SIZE)
+    cli.define_json("Print one JSON object.")
 
 
-def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size: int = 256,
-        block_size: int = 16, kv_format: str = "f32") -> dict:
-    """The score record for `text` (the library call behind the CLI)."""
-    config, params = kq.load_pretrained(model, weights_path)
-    tok = kq.load_tokenizer(model, weights_path)
+def token_ids(tok, text: str, max_tokens: int, config, source: str = "the text") -> list[int]:
+    """The tokens to score: `text` (not blank) encoded, truncated to `max_tokens` (0: all); raises
+    cli.BadInput unless there are 2 to config.max_context of them."""
     ids = tok.encode(text)
     if max_tokens:
         ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise cli.BadInput(f"{source} gives {len(ids)} token; scoring needs at least 2")
+    if len(ids) > config.max_context:
+        raise cli.BadInput(f"{source} gives {len(ids):,} tokens, more than {config.name}'s context "
+                           f"of {config.max_context:,}; pass --max_tokens={config.max_context} "
+                           "or fewer")
+    return ids
+
+
+def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size: int = 256,
+        block_size: int = 16, kv_format: str = "f32", source: str = "the text") -> dict:
+    """The score record for `text` (the library call behind the CLI); the input is checked
+    (cli.BadInput, a ValueError) before the weights load."""
+    if max_tokens < 0:
+        raise cli.BadInput(f"max_tokens must be >= 0 (0: all), got {max_tokens}")
+    if not text.strip():
+        raise cli.BadInput(f"{source} is empty: nothing to score")
+    cli.check_model_source(model, weights_path)
+    tok = kq.load_tokenizer(model, weights_path)
+    ids = token_ids(tok, text, max_tokens, kq.get_model_config(model), source)
+    config, params = kq.load_pretrained(model, weights_path)
     start = time.perf_counter()
     result = kq.score(config, params, ids, chunk_size=chunk_size, block_size=block_size,
-                          kv_format=kv_format)
+                      kv_format=kv_format)
     return {
         "model": model,
         "num_tokens": len(ids),
@@ -62,14 +81,12 @@ def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size
 
 def main(argv):
     del argv
-    try:
-        text = pathlib.Path(FLAGS.text_file).read_text(encoding="utf-8")
-        record = run(FLAGS.model, text, FLAGS.max_tokens, weights_path=FLAGS.weights,
-                     chunk_size=FLAGS.chunk_size, block_size=FLAGS.block_size,
-                     kv_format=FLAGS.kv_format)
-    except (OSError, ValueError, kq.WeightsError) as error:  # bad input: say it, exit 2
-        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
-        sys.exit(2)
+    cli.check_model_source(FLAGS.model, FLAGS.weights)
+    path = pathlib.Path(FLAGS.text_file)
+    text = path.read_text(encoding="utf-8")
+    record = run(FLAGS.model, text, FLAGS.max_tokens, weights_path=FLAGS.weights,
+                 chunk_size=FLAGS.chunk_size, block_size=FLAGS.block_size,
+                 kv_format=FLAGS.kv_format, source=f"--text_file={path}")
     if FLAGS.json:
         json.dump(record, sys.stdout)
         sys.stdout.write("\n")
@@ -79,5 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run(main, define_flags)

@@ -1,0 +1,203 @@
+"""The absl plumbing every experiment's command line shares.
+
+An experiment module defines its flags in a `define_flags()` function and ends with
+
+    if __name__ == "__main__":
+        cli.run(main, define_flags)
+
+so that flags exist only when the module runs as a program: tests import several experiment
+modules side by side, and absl forbids defining a flag twice. `run` then
+
+  * lowers jax's platform-probing log line ("Unable to initialize backend 'tpu'", logged at INFO
+    by `jax._src.xla_bridge` on every machine without that platform) to WARNING, so the useful
+    warnings (a GPU present but no CUDA jaxlib) still show; no platform is forced;
+  * parses the flags, refusing positional arguments (absl hands them to `main` silently);
+  * turns bad input into one line on stderr and exit status 2, never a traceback: a flag parsing
+    or validator error, `BadInput` raised by `main` (checks across flags, or on the input's
+    content), and the library's typed errors (`kq.KVQuotaError`, any ValueError) or OSError.
+
+Numeric flags carry absl bounds (`lower_bound`/`upper_bound`), so a bad value is refused while
+parsing, before any heavy work, and `--help` shows the allowed range.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+from typing import Callable, Sequence
+
+from absl import app, flags
+
+from configs.formats import KV_FORMATS, get_kv_format
+from configs.models import MODELS, get_model_config
+
+FLAGS = flags.FLAGS
+EXIT_BAD_INPUT = 2
+# The logger of jax's backend discovery (`jax/_src/xla_bridge.py`, `logger.info(f"Unable to
+# initialize backend ...")`).
+JAX_PLATFORM_LOGGER = "jax._src.xla_bridge"
+
+
+class BadInput(ValueError):
+    """Input the program refuses, found by `main` (a check across flags, an empty text file).
+    Reported as `error: <message>` and exit status 2."""
+
+
+def quiet_jax_logs() -> None:
+    """Hides jax's INFO line for each platform it probes and fails to start (tpu, ...)."""
+    logging.getLogger(JAX_PLATFORM_LOGGER).setLevel(logging.WARNING)
+
+
+def fail(message: str) -> None:
+    """Prints `error: <message>` as one line on stderr and exits with status 2."""
+    line = " ".join(str(message).split())
+    print(f"error: {line}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def note(message: str) -> None:
+    """Prints `note: <message>` as one line on stderr (the program goes on)."""
+    print(f"note: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+    """absl's parser, with one-line errors (status 2) and no positional arguments."""
+    try:
+        rest = FLAGS(argv)
+    except flags.Error as error:
+        fail(error)
+    if len(rest) > 1:
+        extra = " ".join(shlex.quote(arg) for arg in rest[1:])
+        fail(f"unexpected positional argument{'s' if len(rest) > 2 else ''} {extra}: this "
+             "program takes only flags (--name=value); see --help")
+    return rest
+
+
+def guarded(main: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
+    """`main`, with bad input reported as one line and exit status 2."""
+
+    def wrapped(argv):
+        try:
+            return main(argv)
+        except BadInput as error:
+            fail(error)
+        except (ValueError, OSError) as error:  # kq.KVQuotaError is a ValueError
+            fail(f"{type(error).__name__}: {error}")
+
+    return wrapped
+
+
+def run(main: Callable[[list[str]], object], define_flags: Callable[[], None]) -> None:
+    """Defines the flags, then runs `main` under absl with the conventions above."""
+    quiet_jax_logs()
+    define_flags()
+    app.run(guarded(main), flags_parser=parse_flags)
+
+
+# ---- flags several experiments share ----------------------------------------------------------
+# Defined here but credited to the program's main module, so `--help` (absl's short help lists
+# the main module's flags only) shows them.
+
+
+def _main_module() -> str:
+    return sys.argv[0]  # absl's name for the `__main__` module
+
+
+def _check_model(name: str) -> bool:
+    try:
+        get_model_config(name)
+    except ValueError as error:
+        raise flags.ValidationError(str(error)) from None
+    return True
+
+
+def _check_kv_format(name: str, allowed: Sequence[str] | None, refused: str) -> bool:
+    try:
+        get_kv_format(name)
+    except ValueError as error:
+        raise flags.ValidationError(str(error)) from None
+    if allowed is not None and name not in allowed:
+        raise flags.ValidationError(
+            f"kv_format {name!r} is not supported here{': ' + refused if refused else ''}; "
+            f"use one of: {', '.join(allowed)}")
+    return True
+
+
+def define_model(default: str = "smollm2-135m", extra_help: str = "") -> None:
+    """--model, a preset name; its help lists the presets (configs.models.MODELS)."""
+    flags.DEFINE_string("model", default, " ".join(
+        [f"Model preset, one of: {', '.join(MODELS)}.", extra_help]).strip(),
+        module_name=_main_module())
+    flags.register_validator("model", _check_model)
+
+
+def define_kv_format(default: str, allowed: Sequence[str] | None = None, refused: str = "",
+                     extra_help: str = "") -> None:
+    """--kv_format (configs.formats.KV_FORMATS), optionally narrowed to `allowed`; `refused`
+    says why the others are refused."""
+    names = allowed if allowed is not None else list(KV_FORMATS)
+    flags.DEFINE_string("kv_format", default, " ".join(
+        [f"KV storage format, one of: {', '.join(names)}.", extra_help]).strip(),
+        module_name=_main_module())
+    flags.register_validator("kv_format", lambda value: _check_kv_format(value, allowed, refused))
+
+
+def define_json(help_text: str = "Print one JSON object (the last line of stdout).") -> None:
+    flags.DEFINE_boolean("json", False, help_text, module_name=_main_module())
+
+
+def define_int_list(name: str, default: Sequence[int], help_text: str, *, lower: int,
+                    upper: int) -> None:
+    """A comma-separated list of integers in [lower, upper]; read it with `int_list(name)`."""
+    flags.DEFINE_list(name, [str(x) for x in default],
+                      f"{help_text} (comma-separated integers in [{lower}, {upper}])",
+                      module_name=_main_module())
+
+    def check(values):
+        if not values:
+            raise flags.ValidationError(f"--{name} needs at least one value")
+        for value in values:
+            try:
+                number = int(value)
+            except ValueError:
+                raise flags.ValidationError(f"{value!r} is not an integer") from None
+            if not lower <= number <= upper:
+                raise flags.ValidationError(f"{number} is not in [{lower}, {upper}]")
+        return True
+
+    flags.register_validator(name, check)
+
+
+def int_list(name: str) -> list[int]:
+    """The parsed values of a flag defined with `define_int_list`."""
+    return [int(value) for value in FLAGS[name].value]
+
+
+# ---- flags of the programs that run a model (score, generate) ----------------------------------
+
+PACKAGED_WEIGHTS = ("smollm2-135m",)  # presets kq.load_pretrained finds without a path
+SERVING_KV_FORMATS = ("f32", "bf16", "f16")  # page formats the model serves from today
+QUANTIZED_REFUSAL = "serving from 8-bit and quantized pages is not implemented yet"
+
+
+def define_model_source(default_format: str = "f32") -> None:
+    """--model, --weights and --kv_format of a program that loads a model's weights."""
+    define_model(extra_help=f"Weights ship only for {', '.join(PACKAGED_WEIGHTS)}; other "
+                            "presets need --weights.")
+    flags.DEFINE_string(
+        "weights", None,
+        "A .gguf file or Hugging Face checkpoint dir (default: the packaged weights).",
+        module_name=_main_module())
+    define_kv_format(default_format, SERVING_KV_FORMATS, QUANTIZED_REFUSAL)
+
+
+def check_model_source(model: str, weights: str | None) -> None:
+    """Refuses, before anything loads, a preset without packaged weights and no --weights, or a
+    --weights path that does not exist."""
+    if weights is None and model not in PACKAGED_WEIGHTS:
+        raise BadInput(f"--model={model} needs --weights (a .gguf file or a Hugging Face "
+                       f"checkpoint directory): only {', '.join(PACKAGED_WEIGHTS)} ships weights")
+    if weights is not None and not os.path.exists(weights):
+        raise BadInput(f"--weights={weights}: no such file or directory")
