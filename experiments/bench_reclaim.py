@@ -1,14 +1,17 @@
 """Benchmark: release one tenant of a metadata-only Qwen2.5-72B-scale state.
 
     python -m experiments.bench_reclaim --json [--out=results/bench_reclaim.json]
+    python -m experiments.bench_reclaim --log2_blocks=16 --scaling=14,16 --repeats=4  # quick
 
-Builds (vectorised, `kvquota.builder`) a metadata-only state: 2^20 blocks of 16 tokens,
+Builds (vectorised, `kq.build_state`) a metadata-only state: 2^20 blocks of 16 tokens,
 8,192 sequences over 64 tenants, each tenant's sequences sharing a system-prompt prefix and 16
 tenants in 4 sharing groups. Releases one private tenant (~1/64 of the pool) through the public
-`Allocator.release_tenant(..., donate=True)`, and the same release with a straightforward per-block Python loop (the way a
-Python block pool frees: walk the tenant's tables, decrement, push to a free list) on the same
-data; checks that both end in the same state; reports their times and ratio, the time for a
-tenant whose shared prefix passes to an heir, and the jitted time at 2^16, 2^18 and 2^20 blocks.
+`Allocator.release_tenant(..., donate=True)`, and the same release with a straightforward
+per-block Python loop (the way a Python block pool frees: walk the tenant's tables, decrement,
+push to a free list) on the same data; checks that both end in the same state; reports their
+times and ratio, the time for a tenant whose shared prefix passes to an heir, and the jitted time
+at 2^16, 2^18 and 2^20 blocks. Writes a run directory (experiments/runs.py): one point per
+release and per scaling size, the summary, and two plots.
 """
 
 from __future__ import annotations
@@ -19,24 +22,24 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
-from configs.models import get_model_config
-from experiments import run_record
-from kvquota import Allocator, StateConfig, SyntheticSpec, build_state
+import kvquota as kq
+from experiments import cli, runs
 
 FLAGS = flags.FLAGS
+MIN_LOG2, MAX_LOG2 = 13, 24  # 2^13 blocks: one sequence per tenant; 2^24: 16M blocks
 
 
-def _define_flags():
-    """Flags are defined only when run as a program, so tests can import this module beside
-    other experiments that define flags of the same names (absl forbids duplicates)."""
-    flags.DEFINE_bool("json", False, "Print the results as one JSON object.")
-    flags.DEFINE_string("out", "", "Also write the JSON to this path.")
-    flags.DEFINE_integer("log2_blocks", 20, "Pool size of the headline point, as a power of two.")
-    flags.DEFINE_list("scaling", ["16", "18", "20"], "log2 pool sizes of the scaling sweep.")
-    flags.DEFINE_integer("repeats", 24, "Private tenants released in turn (median reported).")
-    flags.DEFINE_integer("seed", 0, "Seed of the synthetic state.")
+def define_flags():
+    flags.DEFINE_integer("log2_blocks", 20, "Pool size of the headline point, as a power of two.",
+                         lower_bound=MIN_LOG2, upper_bound=MAX_LOG2)
+    cli.define_int_list("scaling", [16, 18, 20], "log2 pool sizes of the scaling sweep",
+                        lower=MIN_LOG2, upper=MAX_LOG2)
+    flags.DEFINE_integer("repeats", 24, "Private tenants released in turn (median reported).",
+                         lower_bound=1, upper_bound=47)  # tenants 62 .. 16 are private
+    flags.DEFINE_integer("seed", 0, "Seed of the synthetic state.", lower_bound=0)
+    runs.define_flags()
 
 
 MODEL = "qwen2.5-72b"
@@ -49,14 +52,14 @@ SHARED_TENANT = 0  # creator (payer) of group 0's prefix
 
 def setup(log2_blocks: int, seed: int):
     blocks = 1 << log2_blocks
-    config = StateConfig(
-        get_model_config(MODEL), num_blocks=blocks, block_size=BLOCK_SIZE,
+    config = kq.StateConfig(
+        kq.get_model_config(MODEL), num_blocks=blocks, block_size=BLOCK_SIZE,
         max_seqs=blocks // BLOCKS_PER_SEQ, max_blocks_per_seq=2 * BLOCKS_PER_SEQ,
         num_tenants=TENANTS, kv_format="bf16", with_pages=False,
     )
-    spec = SyntheticSpec(num_seqs=config.max_seqs, prefix_blocks=4, group_size=4, num_groups=4,
+    spec = kq.SyntheticSpec(num_seqs=config.max_seqs, prefix_blocks=4, group_size=4, num_groups=4,
                          pool_fill=0.9, seed=seed)
-    return config, build_state(config, spec)
+    return config, kq.build_state(config, spec)
 
 
 def _copy(state):
@@ -69,7 +72,7 @@ def jitted_chain(config, state, tenants, warmup_tenant):
     loop: buffers produced by earlier donated ops). Returns per-tenant seconds (the facade's
     host-side checks and planning included), the final state and the reports. One untimed
     release of `warmup_tenant` compiles and primes the buffers."""
-    alloc = Allocator(config)
+    alloc = kq.Allocator(config)
     x = _copy(state)
     seconds, reports = [], []
     for i, t in enumerate([warmup_tenant] + list(tenants)):
@@ -178,7 +181,8 @@ def same_result(jitted_state, loop):
     )
 
 
-def run(log2_blocks, scaling, repeats, seed) -> dict:
+def run(log2_blocks, scaling, repeats, seed, on_point=lambda point: None) -> dict:
+    """The whole benchmark; `on_point(dict)` receives each measured point as it is measured."""
     config, state = setup(log2_blocks, seed)
     host = jax.device_get(state)
     logging.info("built %d blocks, %d sequences", config.num_blocks, config.max_seqs)
@@ -193,7 +197,13 @@ def run(log2_blocks, scaling, repeats, seed) -> dict:
     n = len(private)
     med = statistics.median
     first = reports[0]
-    returned = [int(np.asarray(r.blocks_returned).sum()) for r in reports[:n]]
+    returned = [int(np.asarray(r.blocks_returned).sum()) for r in reports]
+    for i, tenant in enumerate(tenants):
+        on_point({"kind": "release", "blocks": config.num_blocks, "tenant": tenant,
+                  "shared_prefix": i >= n, "seconds": jit_s[i], "loop_seconds": loop_s[i],
+                  "blocks_returned": returned[i],
+                  "transferred_blocks": int(reports[i].transferred_blocks)})
+    returned = returned[:n]
     result = {
         "blocks": config.num_blocks,
         "seconds": med(jit_s[:n]),
@@ -233,31 +243,73 @@ def run(log2_blocks, scaling, repeats, seed) -> dict:
     del state, final
     for lg in scaling:
         if lg == log2_blocks:
-            result["scaling"].append({"blocks": config.num_blocks, "sequences": config.max_seqs,
-                                      "seconds": result["seconds"]})
-            continue
-        c2, s2 = setup(lg, seed)
-        t2, _, _ = jitted_chain(c2, s2, private, PRIVATE_TENANT)
-        result["scaling"].append({"blocks": c2.num_blocks, "sequences": c2.max_seqs,
-                                  "seconds": med(t2)})
-        logging.info("scaling 2^%d: %.3f ms", lg, med(t2) * 1e3)
+            point = {"blocks": config.num_blocks, "sequences": config.max_seqs,
+                     "seconds": result["seconds"]}
+        else:
+            c2, s2 = setup(lg, seed)
+            t2, _, _ = jitted_chain(c2, s2, private, PRIVATE_TENANT)
+            point = {"blocks": c2.num_blocks, "sequences": c2.max_seqs, "seconds": med(t2)}
+            del s2
+            logging.info("scaling 2^%d: %.3f ms", lg, med(t2) * 1e3)
+        result["scaling"].append(point)
+        on_point({"kind": "scaling", **point})
     result["scaling"].sort(key=lambda r: r["blocks"])
     return result
 
 
+def plot(points, metrics, out_dir) -> list[str]:
+    """release_times.png (each release, jitted vs loop) and scaling.png (jitted time vs pool
+    size), from the run's files."""
+    import matplotlib.pyplot as plt
+
+    names = []
+    releases = [p for p in points if p["kind"] == "release"]
+    if releases:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        x = np.arange(len(releases))
+        ax.semilogy(x, [1e3 * p["seconds"] for p in releases], "o-", label="jitted (donated)")
+        ax.semilogy(x, [1e3 * p["loop_seconds"] for p in releases], "s-", label="Python loop")
+        shared = [i for i, p in enumerate(releases) if p["shared_prefix"]]
+        if shared:
+            ax.axvspan(shared[0] - 0.5, shared[-1] + 0.5, color="0.9",
+                       label="prefix passes to an heir")
+        ax.set_xlabel("release (in order)")
+        ax.set_ylabel("ms per tenant release")
+        ax.set_title(f"release_tenant at {releases[0]['blocks']:,} blocks "
+                     f"(median speedup {metrics['speedup']:.3g}x)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "release_times.png", dpi=120)
+        plt.close(fig)
+        names.append("release_times.png")
+    scaling = sorted((p for p in points if p["kind"] == "scaling"), key=lambda p: p["blocks"])
+    if scaling:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.loglog([p["blocks"] for p in scaling], [1e3 * p["seconds"] for p in scaling], "o-",
+                  base=2)
+        ax.set_xlabel("blocks in the pool")
+        ax.set_ylabel("ms per tenant release (median)")
+        ax.set_title("jitted release vs pool size")
+        fig.tight_layout()
+        fig.savefig(out_dir / "scaling.png", dpi=120)
+        plt.close(fig)
+        names.append("scaling.png")
+    return names
+
+
+def describe(summary: dict) -> str:
+    return (f"release of 1 tenant at {summary['blocks']:,} blocks: jitted "
+            f"{summary['seconds'] * 1e3:.3f} ms, loop {summary['loop_seconds'] * 1e3:.3f} ms, "
+            f"speedup {summary['speedup']:.1f}x (results match: {summary['results_match']})")
+
+
 def main(argv):
     del argv
-    scaling = sorted(int(x) for x in FLAGS.scaling)
-    result = run(FLAGS.log2_blocks, scaling, FLAGS.repeats, FLAGS.seed)
-    flags_used = [f"--{name}={FLAGS[name].value}" for name in ("log2_blocks", "repeats", "seed")]
-    result.update(run_record.run_metadata("experiments.bench_reclaim"))
-    result["resolved_flags"] = flags_used + [f"--scaling={','.join(map(str, scaling))}"]
-    run_record.write_record(result, FLAGS.out, FLAGS.json)
-    if not FLAGS.json:
-        print(f"release of 1 tenant at {result['blocks']} blocks: jitted {result['seconds']*1e3:.3f} ms, "
-              f"loop {result['loop_seconds']*1e3:.3f} ms, speedup {result['speedup']:.1f}x")
+    config = {"log2_blocks": FLAGS.log2_blocks, "scaling": sorted(set(cli.int_list("scaling"))),
+              "repeats": FLAGS.repeats, "seed": FLAGS.seed}
+    runs.execute("bench_reclaim", config, lambda add_point: run(**config, on_point=add_point),
+                 seed=FLAGS.seed, plot=plot, describe=describe)
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run(main, define_flags)

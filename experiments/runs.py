@@ -1,0 +1,304 @@
+r"""Run directories: what an experiment measured, keyed by its resolved config (kvpress-style).
+
+Each run of a benchmark writes
+
+    runs/<experiment>-<key>/
+      config.json    the resolved config (every flag that changes what is measured, parsed), the
+                     seed, the git commit (and whether the tree had uncommitted changes), the
+                     library versions, the device, the machine's load average and the command
+      points.jsonl   one JSON object per measured point, appended as it is measured (each with the
+                     1-minute load average when it was taken); a failed point (out of memory, a
+                     configuration that does not compile) is a line with an "error", not a crash
+      metrics.json   the summary, written last: its presence marks the run as complete
+      *.png          plots drawn from points.jsonl and metrics.json only (matplotlib, Agg)
+
+<key> is a short hash of the experiment, its resolved config, the git commit and the jax platform:
+the same measurement of the same code on the same kind of device lands in the same directory.
+(Uncommitted changes do not change the key; config.json says `git_dirty`.) An existing complete
+run is never overwritten: it is shown again, with a note, unless --overwrite asks for a new
+measurement; an incomplete one (no metrics.json: an interrupted run) is refused unless
+--overwrite. The summary also goes to stdout with --json (one line, the last) and to --out
+(a file, e.g. under results/, where committed summaries live).
+
+Plots can be redrawn from a run directory alone:
+
+    python -m experiments.runs --run_dir=runs/bench_reclaim-1a2b3c4d
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import logging as logging_module
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Callable
+
+from absl import flags, logging
+
+from experiments import cli
+
+FLAGS = flags.FLAGS
+RUNS_DIR = "runs"
+CONFIG, POINTS, METRICS = "config.json", "points.jsonl", "metrics.json"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# A plot function: (points, metrics, run directory) -> names of the PNG files it wrote.
+PlotFn = Callable[[list, dict, pathlib.Path], list]
+
+
+def define_flags() -> None:
+    """--runs_dir, --overwrite and --out, for an experiment that writes a run directory."""
+    main = sys.argv[0]  # credited to the main module, so --help lists them
+    flags.DEFINE_string("runs_dir", RUNS_DIR, "Where run directories are made.", module_name=main)
+    flags.DEFINE_boolean("overwrite", False,
+                         "Measure again even if this run's directory exists (it is replaced).",
+                         module_name=main)
+    flags.DEFINE_string("out", None,
+                        "Also write the summary JSON to this file (e.g. results/<name>.json).",
+                        module_name=main)
+    cli.define_json()
+
+
+# ---- what every record carries ----------------------------------------------------------------
+
+
+def git_state() -> dict:
+    """The checkout's commit and whether tracked files differ from it (None off a git tree)."""
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+
+    try:
+        return {"git_commit": git("rev-parse", "HEAD"),
+                "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for package in ("jax", "jaxlib", "flax", "numpy", "kvquota"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def device() -> dict:
+    """The device jax runs on, the machine and its load average now."""
+    import jax
+
+    first = jax.devices()[0]
+    return {
+        "platform": first.platform,
+        "kind": first.device_kind,
+        "count": jax.device_count(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1_5_15": list(os.getloadavg()),
+    }
+
+
+def command(module: str) -> str:
+    return " ".join(["python -m", module, *sys.argv[1:]])
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_key(experiment: str, config: dict, git_commit: str | None, platform_name: str) -> str:
+    """8 hex digits of the sha256 of what decides a measurement."""
+    blob = json.dumps({"experiment": experiment, "config": config, "git_commit": git_commit,
+                       "platform": platform_name}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+
+
+# ---- the run directory ------------------------------------------------------------------------
+
+
+def _write_json(path: pathlib.Path, record: dict, indent: int | None = 2) -> None:
+    """Writes atomically (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=indent) + "\n")
+    os.replace(tmp, path)
+
+
+def read_points(run_dir) -> list[dict]:
+    path = pathlib.Path(run_dir) / POINTS
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(run_dir) -> dict:
+    return json.loads((pathlib.Path(run_dir) / METRICS).read_text())
+
+
+def read_config(run_dir) -> dict:
+    return json.loads((pathlib.Path(run_dir) / CONFIG).read_text())
+
+
+@dataclasses.dataclass
+class Run:
+    """One run directory. `complete`: it already held a finished run (nothing to measure)."""
+
+    path: pathlib.Path
+    config: dict
+    complete: bool = False
+
+    def add_point(self, point: dict) -> None:
+        """Appends one measured point (flushed at once, so an interrupted run keeps its data)."""
+        point = dict(point)
+        point.setdefault("load_average_1min", os.getloadavg()[0])
+        with open(self.path / POINTS, "a") as f:
+            f.write(json.dumps(point) + "\n")
+
+    def finish(self, measured: dict, plot: PlotFn | None = None) -> dict:
+        """Writes the summary (measured results plus the run's metadata) and the plots; returns
+        the summary."""
+        summary = {**measured, **summary_metadata(self)}
+        _write_json(self.path / METRICS, summary)
+        if plot is not None:
+            draw(self.path, plot)
+        self.complete = True
+        return summary
+
+    def stored_summary(self) -> dict:
+        return read_metrics(self.path)
+
+
+def summary_metadata(run: Run) -> dict:
+    """The keys a summary carries beside its results (the record of how it was made)."""
+    c = run.config
+    return {
+        "command": c["command"],
+        "time_utc": now_utc(),
+        "versions": c["versions"],
+        "device": device(),  # load average at the end of the run
+        "seed": c["seed"],
+        "git_commit": c["git_commit"],
+        "git_dirty": c["git_dirty"],
+        "config": c["config"],
+        "run_dir": str(run.path),
+    }
+
+
+def open_run(experiment: str, module: str, config: dict, *, seed, root: str = RUNS_DIR,
+             overwrite: bool = False) -> Run:
+    """The run directory of `config` under `root`: created (config.json written), or, when it
+    already holds a complete run and `overwrite` is False, returned with `complete=True`.
+
+    Raises cli.BadInput for an incomplete existing run unless `overwrite`.
+    """
+    git = git_state()
+    dev = device()
+    key = run_key(experiment, config, git["git_commit"], dev["platform"])
+    path = pathlib.Path(root) / f"{experiment}-{key}"
+    if path.exists() and not overwrite:
+        if (path / METRICS).exists():
+            return Run(path, read_config(path), complete=True)
+        raise cli.BadInput(f"{path} exists but holds no {METRICS} (an interrupted run?); "
+                           "pass --overwrite to measure it again")
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    record = {
+        "experiment": experiment,
+        "module": module,
+        "key": key,
+        "config": config,
+        "seed": seed,
+        **git,
+        "command": command(module),
+        "time_utc": now_utc(),
+        "versions": versions(),
+        "device": dev,
+    }
+    _write_json(path / CONFIG, record)
+    (path / POINTS).touch()
+    return Run(path, record)
+
+
+# ---- plots ------------------------------------------------------------------------------------
+
+
+def draw(run_dir, plot: PlotFn) -> list[str]:
+    """Draws `plot` from the files of `run_dir` only; a plotting error is a note, not a lost run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    logging_module.getLogger("matplotlib").setLevel(logging_module.WARNING)  # font cache notes
+    run_dir = pathlib.Path(run_dir)
+    try:
+        return plot(read_points(run_dir), read_metrics(run_dir), run_dir)
+    except Exception as error:  # the data is already on disk
+        cli.note(f"plotting {run_dir} failed: {type(error).__name__}: {error}")
+        return []
+
+
+def replot(run_dir) -> list[str]:
+    """Redraws a run directory's plots with the `plot` function of the experiment that made it."""
+    config = read_config(run_dir)
+    module = importlib.import_module(config["module"])
+    return draw(run_dir, module.plot)
+
+
+# ---- the whole flow of a benchmark's main ------------------------------------------------------
+
+
+def execute(experiment: str, config: dict, measure: Callable[[Callable[[dict], None]], dict], *,
+            seed, plot: PlotFn | None = None,
+            describe: Callable[[dict], str] | None = None) -> dict:
+    """Opens the run directory for `config`, measures (`measure(add_point)` returns the results)
+    unless the run is already recorded, writes the summary to --out and prints it (--json: one
+    line of JSON, the last of stdout; else `describe(summary)`). Returns the summary."""
+    module = f"experiments.{experiment}"
+    run = open_run(experiment, module, config, seed=seed, root=FLAGS.runs_dir,
+                   overwrite=FLAGS.overwrite)
+    if run.complete:
+        cli.note(f"{run.path} already holds this run (git {str(run.config['git_commit'])[:10]}, "
+                 f"{run.config['time_utc']}); showing it again: pass --overwrite to measure anew")
+        summary = run.stored_summary()
+    else:
+        logging.info("writing %s", run.path)
+        summary = run.finish(measure(run.add_point), plot)
+    if FLAGS.out:
+        out = pathlib.Path(FLAGS.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(out, summary)
+    if FLAGS.json:
+        print(json.dumps(summary), flush=True)
+    elif describe is not None:
+        print(describe(summary))
+        print(f"run directory: {run.path}")
+    return summary
+
+
+def _define_replot_flags():
+    flags.DEFINE_string("run_dir", None, "A run directory (runs/<experiment>-<key>).",
+                        required=True)
+
+
+def main(argv):
+    del argv
+    run_dir = pathlib.Path(FLAGS.run_dir)
+    if not (run_dir / METRICS).exists():
+        raise cli.BadInput(f"{run_dir} holds no {METRICS}: not a complete run directory")
+    for name in replot(run_dir):
+        print(run_dir / name)
+
+
+if __name__ == "__main__":
+    cli.run(main, _define_replot_flags)
