@@ -7,7 +7,10 @@ GPU part (only when a GPU is present): the Pallas decode at the Qwen2.5-7B shape
 per second, against a device-to-device copy measured in the same run, against the H200's
 4.8 TB/s, side by side with the JAX peer kernel on the same inputs, and int8 pages vs bf16.
 
-Not a timed test: numbers go to a JSON file with the command, versions, device and seed.
+Not a timed test: numbers go to a run directory (experiments/runs.py: one point per CPU
+(batch, context) and per GPU configuration, the summary, plots) with the command, versions,
+device and seed; --out also writes the summary to a file (results/bench_attention_<cpu|gpu>.json).
+Quick run: --contexts=256,512 --batches=1 --repeats=3.
 """
 
 from __future__ import annotations
@@ -16,45 +19,44 @@ import math
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs.models import get_model_config
-from experiments import run_record
+import kvquota as kq
+from experiments import cli, runs
 from kernels import paged_attention as pa
-from kernels.quantization import quantize_kv
 
 FLAGS = flags.FLAGS
+PEER_K_SPLITS = 16  # jax's GPU paged_attention default: pages per sequence must divide by it
 
 
-def _define_flags():
-    """Defined only when run as a program, so this module imports beside other experiments
-    whose absl flags share names (absl forbids defining a flag twice)."""
-    flags.DEFINE_bool("json", False, "Print the results as JSON (and write them to --out).")
-    flags.DEFINE_string("out", None,
-                        "JSON output path; default results/bench_attention_<cpu|gpu>.json.")
-    flags.DEFINE_list("contexts", ["512", "1024", "2048", "4096", "8192"],
-                      "CPU contexts (tokens).")
-    flags.DEFINE_list("batches", ["1", "8"], "CPU batch sizes.")
-    flags.DEFINE_string("cpu_model", "smollm2-135m",
-                        "Model preset whose attention shape the CPU part uses.")
+def define_flags():
+    cli.define_int_list("contexts", [512, 1024, 2048, 4096, 8192], "CPU contexts (tokens)",
+                        lower=1, upper=1 << 17)
+    cli.define_int_list("batches", [1, 8], "CPU batch sizes", lower=1, upper=256)
+    cli.define_model("smollm2-135m", "Its attention shape is the CPU part's.", name="cpu_model")
     flags.DEFINE_enum("cpu_dtype", "float32", ["float32", "bfloat16"], "CPU cache dtype.")
-    flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-    flags.DEFINE_integer("repeats", 30, "Timed repeats per point (median reported).")
-    flags.DEFINE_integer("seed", 0, "Seed for data and block-table permutations.")
+    flags.DEFINE_integer("page_size", 16, "Tokens per page.", lower_bound=1, upper_bound=1024)
+    flags.DEFINE_integer("repeats", 30, "Timed repeats per point (median reported).",
+                         lower_bound=1)
+    flags.DEFINE_integer("seed", 0, "Seed for data and block-table permutations.",
+                         lower_bound=0)
     flags.DEFINE_bool("skip_cpu", False, "Skip the CPU part.")
     flags.DEFINE_bool("skip_gpu", False, "Skip the GPU part even when a GPU is present.")
-    flags.DEFINE_string("gpu_model", "qwen2.5-7b", "Model preset for the GPU part.")
-    flags.DEFINE_integer("gpu_batch", 32, "GPU batch.")
-    flags.DEFINE_integer("gpu_context", 32768, "GPU context (tokens per sequence).")
+    cli.define_model("qwen2.5-7b", "The GPU part's shape.", name="gpu_model")
+    flags.DEFINE_integer("gpu_batch", 32, "GPU batch.", lower_bound=1)
+    flags.DEFINE_integer("gpu_context", 32768,
+                         "GPU context (tokens per sequence; a multiple of 16 pages).",
+                         lower_bound=1)
     flags.DEFINE_float("peak_tb_s", 4.8,
-                       "Nominal HBM bandwidth (TB/s) of the device (H200: 4.8).")
+                       "Nominal HBM bandwidth (TB/s) of the device (H200: 4.8).", lower_bound=1e-3)
     flags.DEFINE_bool("gpu_sweep", True, "Also time a small grid of kernel knobs on GPU.")
     flags.DEFINE_bool("gpu_dry_run", False,
                       "Run the GPU part here with Pallas interpreted (checks the code path off GPU; "
                       "use small --gpu_batch/--gpu_context; numbers mean nothing).")
+    runs.define_flags()
 
 
 def _median_ms(fn, *args, repeats):
@@ -104,8 +106,8 @@ def _paged_inputs(rng, batch, context, hkv, d, page, dtype, spare=8):
     return k, v, tables, lengths
 
 
-def cpu_part() -> dict:
-    cfg = get_model_config(FLAGS.cpu_model)
+def cpu_part(on_point=lambda point: None) -> dict:
+    cfg = kq.get_model_config(FLAGS.cpu_model)
     hq, hkv, d, page = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, FLAGS.page_size
     dtype = jnp.dtype(FLAGS.cpu_dtype)
     scale = 1.0 / math.sqrt(d)
@@ -117,8 +119,8 @@ def cpu_part() -> dict:
     naive = jax.jit(lambda q, k, v, t, l: pa.decode_reference(
         q, k, v, t, l, sm_scale=scale, chunk_pages=t.shape[1], pool_dot=False)[0])
     points = []
-    for batch in map(int, FLAGS.batches):
-        for context in map(int, FLAGS.contexts):
+    for batch in cli.int_list("batches"):
+        for context in cli.int_list("contexts"):
             k, v, tables, lengths = _paged_inputs(rng, batch, context, hkv, d, page, dtype)
             # The same tokens, contiguous: [B, Hkv, S, D].
             kd = jnp.take(k, tables, axis=1).reshape(hkv, batch, -1, d).transpose(1, 0, 2, 3)
@@ -138,6 +140,7 @@ def cpu_part() -> dict:
                   f"paged {ms['paged']:8.3f} ms  ratio {point['ratio']:.2f}  (naive one-gather "
                   f"{point['naive_ratio']:.2f})", file=sys.stderr)
             points.append(point)
+            on_point({"kind": "cpu", **point})
     return dict(model=cfg.name, q_heads=hq, kv_heads=hkv, head_dim=d, page_size=page,
                 dtype=dtype.name, points=points, quant_error=quant_error(cfg, rng))
 
@@ -150,10 +153,10 @@ def quant_error(cfg, rng) -> dict:
     full = pa.decode(q, k, v, tables, lengths, backend="reference")
     out = {}
     for name in ["int8", "int4", "kivi4", "kivi2"]:
-        kq, vq = quantize_kv(k, v, name)
-        diff = pa.decode(q, kq, vq, tables, lengths, backend="reference") - full
+        kq8, vq8 = pa.quantize_kv(k, v, name)
+        diff = pa.decode(q, kq8, vq8, tables, lengths, backend="reference") - full
         out[name] = dict(rms=float(jnp.sqrt(jnp.mean(diff**2))), max=float(jnp.max(jnp.abs(diff))),
-                         bytes_vs_bf16=(kq.nbytes + vq.nbytes) / (2 * k.size * 2))
+                         bytes_vs_bf16=(kq8.nbytes + vq8.nbytes) / (2 * k.size * 2))
     return out
 
 
@@ -161,12 +164,14 @@ def backend_name() -> str:
     return jax.default_backend()
 
 
-def gpu_part() -> dict:
+def gpu_part(on_point=lambda point: None) -> dict:
     from jax.experimental.pallas.ops.gpu import paged_attention as peer
 
+    # The kernel's knobs (pages_per_block, k_splits, num_warps) are not arguments of the public
+    # `pa.decode`; the sweep times the Pallas entry point behind it.
     from kernels.paged_attention import pallas_kernel
 
-    cfg = get_model_config(FLAGS.gpu_model)
+    cfg = kq.get_model_config(FLAGS.gpu_model)
     b, ctx, page = FLAGS.gpu_batch, FLAGS.gpu_context, FLAGS.page_size
     hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
     scale = 1.0 / math.sqrt(d)
@@ -191,7 +196,7 @@ def gpu_part() -> dict:
         q, k, v, t, l, interpret=interp)[0])
     theirs = jax.jit(lambda q, k, v, t, l: peer.paged_attention(
         q * scale, k, v, t, l, interpret=interp))
-    kq8, vq8 = quantize_kv(k, v, "int8")
+    kq8, vq8 = pa.quantize_kv(k, v, "int8")
     int8_bytes = kq8.nbytes + vq8.nbytes  # every page of the pool is read once
     ms = _side_by_side(
         {"ours_bf16": ours, "peer_bf16": theirs, "ours_int8": ours},
@@ -222,6 +227,7 @@ def gpu_part() -> dict:
                         sweep.append(dict(knobs, **rate(kv_bytes, t_ms)))
                     except Exception as e:  # a failed configuration is data, not a crash
                         sweep.append(dict(knobs, error=f"{type(e).__name__}: {e}"[:300]))
+                    on_point({"kind": "gpu_knobs", **sweep[-1]})
     result = dict(
         model=cfg.name, batch=b, context=ctx, q_heads=hq, kv_heads=hkv, head_dim=d,
         page_size=page, dtype="bfloat16", copy=dict(ms=copy_ms, tb_s=copy_tb_s),
@@ -231,6 +237,7 @@ def gpu_part() -> dict:
         int8_speedup_vs_bf16=ms["ours_bf16"] / ms["ours_int8"], max_abs_diff_vs_reference=check,
         knob_sweep=sweep,
     )
+    on_point({"kind": "gpu", **{k: v for k, v in result.items() if k != "knob_sweep"}})
     print(f"[gpu] copy {copy_tb_s:.2f} TB/s; ours {result['ours_bf16']['tb_s']:.2f} TB/s "
           f"({result['ours_bf16']['of_copy']:.0%} of copy); peer "
           f"{result['peer_bf16']['tb_s']:.2f} TB/s; x{result['speedup_vs_peer']:.2f} vs peer; "
@@ -238,21 +245,97 @@ def gpu_part() -> dict:
     return result
 
 
-def main(argv):
-    del argv
+def measure(on_point) -> dict:
     backend = jax.default_backend()
-    record = run_record.run_metadata("experiments.bench_attention")
-    record["seed"] = FLAGS.seed
+    record = {"seed": FLAGS.seed}
     if not FLAGS.skip_cpu:
-        record["cpu"] = cpu_part()
+        record["cpu"] = cpu_part(on_point)
     if (backend == "gpu" or FLAGS.gpu_dry_run) and not FLAGS.skip_gpu:
-        record["gpu"] = gpu_part()
+        record["gpu"] = gpu_part(on_point)
         record["gpu"]["dry_run"] = backend != "gpu"
     else:
         record["gpu"] = None if FLAGS.skip_gpu else f"skipped: no GPU (backend {backend})"
-    out = FLAGS.out or f"results/bench_attention_{'gpu' if backend == 'gpu' else 'cpu'}.json"
-    run_record.write_record(record, out, FLAGS.json)
+    return record
+
+
+def plot(points, metrics, out_dir) -> list[str]:
+    """cpu_ratio.png (paged / dense decode time vs context, per batch) and, with a GPU part,
+    gpu_bandwidth.png (TB/s of each kernel and of the copy), from the run's files."""
+    import matplotlib.pyplot as plt
+
+    names = []
+    cpu = [p for p in points if p["kind"] == "cpu"]
+    if cpu:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for batch in sorted({p["batch"] for p in cpu}):
+            rows = sorted((p for p in cpu if p["batch"] == batch), key=lambda p: p["context"])
+            ctx = [p["context"] for p in rows]
+            line, = ax.semilogx(ctx, [p["ratio"] for p in rows], "o-", base=2,
+                                label=f"paged, B={batch}")
+            ax.semilogx(ctx, [p["naive_ratio"] for p in rows], "x--", base=2,
+                        color=line.get_color(), label=f"naive one-gather, B={batch}")
+        ax.axhline(1.0, color="0.5", lw=0.8)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode time / dense decode time")
+        ax.set_title(f"CPU paged decode, {metrics['cpu']['model']} shape")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "cpu_ratio.png", dpi=120)
+        plt.close(fig)
+        names.append("cpu_ratio.png")
+    gpu = [p for p in points if p["kind"] == "gpu"]
+    if gpu:
+        g = gpu[-1]
+        labels = ["copy", "ours bf16", "peer bf16", "ours int8"]
+        values = [g["copy"]["tb_s"], g["ours_bf16"]["tb_s"], g["peer_bf16"]["tb_s"],
+                  g["ours_int8"]["tb_s"]]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar(labels, values)
+        ax.set_ylabel("TB/s (bytes read)")
+        ax.set_title(f"GPU decode, {g['model']} B={g['batch']} ctx={g['context']}"
+                     f"{' (dry run)' if metrics['gpu'].get('dry_run') else ''}")
+        fig.tight_layout()
+        fig.savefig(out_dir / "gpu_bandwidth.png", dpi=120)
+        plt.close(fig)
+        names.append("gpu_bandwidth.png")
+    return names
+
+
+def describe(summary: dict) -> str:
+    lines = []
+    if summary.get("cpu"):
+        for p in summary["cpu"]["points"]:
+            lines.append(f"cpu B={p['batch']} context={p['context']}: paged/dense decode time "
+                         f"{p['ratio']:.2f} (naive one-gather {p['naive_ratio']:.2f})")
+    gpu = summary.get("gpu")
+    if isinstance(gpu, dict):
+        lines.append(f"gpu {gpu['model']}: ours {gpu['ours_bf16']['tb_s']:.2f} TB/s "
+                     f"({gpu['ours_bf16']['of_copy']:.0%} of copy), x{gpu['speedup_vs_peer']:.2f} "
+                     f"vs peer{' (dry run)' if gpu['dry_run'] else ''}")
+    elif gpu:
+        lines.append(f"gpu: {gpu}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    backend = jax.default_backend()
+    gpu_runs = (backend == "gpu" or FLAGS.gpu_dry_run) and not FLAGS.skip_gpu
+    if FLAGS.skip_cpu and not gpu_runs:
+        raise cli.BadInput("--skip_cpu leaves nothing to measure here (no GPU part: "
+                           f"backend {backend}; --gpu_dry_run runs it interpreted)")
+    if gpu_runs and FLAGS.gpu_context % (PEER_K_SPLITS * FLAGS.page_size):
+        raise cli.BadInput(f"--gpu_context={FLAGS.gpu_context} is not a multiple of "
+                           f"{PEER_K_SPLITS} pages of --page_size={FLAGS.page_size} (the peer "
+                           f"kernel splits each sequence into {PEER_K_SPLITS})")
+    names = ["contexts", "batches", "cpu_model", "cpu_dtype", "page_size", "repeats", "seed",
+             "skip_cpu", "skip_gpu", "gpu_model", "gpu_batch", "gpu_context", "peak_tb_s",
+             "gpu_sweep", "gpu_dry_run"]
+    config = {name: FLAGS[name].value for name in names}
+    config.update(contexts=cli.int_list("contexts"), batches=cli.int_list("batches"))
+    runs.execute("bench_attention", config, measure, seed=FLAGS.seed, plot=plot,
+                 describe=describe)
+
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run(main, define_flags)

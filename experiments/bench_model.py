@@ -9,9 +9,11 @@ one offset per row) and the same chunk size:
   * decode: mean wall time of a full step at that context (paged: the allocator's donated append
     with its validation, then the model; dense: the model) over --decode_steps steps after a
     warm-up step -> tokens/s = batch / step time.
-`ratio` = paged time / dense time (goal for decode: <= 1.25). Written to --out (default
-results/bench_model.json) with the command, versions, device and the 1-minute load average at
-each point. Not a test: numbers depend on the machine and its load (decode steps of the two
+`ratio` = paged time / dense time (goal for decode: <= 1.25). Written to a run directory
+(experiments/runs.py: one point per (batch, context) with the 1-minute load average when it was
+taken, the summary, plots) and, with --out, to a file (results/bench_model.json); a point that
+runs out of memory is recorded as data. Quick run: --batches=1 --contexts=64 --decode_steps=2.
+Not a test: numbers depend on the machine and its load (decode steps of the two
 caches alternate, and each reports its median, so a busy neighbour hurts both alike).
 """
 
@@ -24,25 +26,25 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import kvquota as kq
-from experiments import run_record
+from experiments import cli, runs
 
 FLAGS = flags.FLAGS
+MODEL = "smollm2-135m"
 
 
-def _define_flags():
-    """Defined only when run as a program, so tests can import this module beside other
-    experiments whose flags share names (absl forbids defining a flag twice)."""
-    flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
-    flags.DEFINE_list("contexts", ["512", "2048"], "Context lengths (prompt tokens).")
-    flags.DEFINE_integer("decode_steps", 8, "Timed decode steps per point.")
-    flags.DEFINE_integer("chunk_size", 512, "Prefill chunk length.")
-    flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
-    flags.DEFINE_string("kv_format", "f32", "KV format of both caches (f32 or bf16).")
-    flags.DEFINE_string("out", "results/bench_model.json", "Where to write the results.")
-    flags.DEFINE_boolean("json", False, "Print the results as one JSON object.")
+def define_flags():
+    cli.define_int_list("batches", [1, 8], "Batch sizes", lower=1, upper=256)
+    cli.define_int_list("contexts", [512, 2048], "Context lengths (prompt tokens)", lower=1,
+                        upper=kq.get_model_config(MODEL).max_context)
+    flags.DEFINE_integer("decode_steps", 8, "Timed decode steps per point.", lower_bound=1)
+    flags.DEFINE_integer("chunk_size", 512, "Prefill chunk length.", lower_bound=1)
+    flags.DEFINE_integer("block_size", 16, "Tokens per KV block.", lower_bound=1,
+                         upper_bound=1024)
+    flags.DEFINE_enum("kv_format", "f32", ["f32", "bf16"], "KV format of both caches.")
+    runs.define_flags()
 
 
 def _prompts(tok, batch: int, context: int) -> list[list[int]]:
@@ -133,43 +135,105 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
     }
 
 
-def run(batches, contexts, *, steps=8, chunk=512, block=16, kv_format="f32", log=print) -> dict:
-    """All points; returns the results record."""
+def _out_of_memory(error: Exception) -> bool:
+    return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
+
+
+def run(batches, contexts, *, steps=8, chunk=512, block=16, kv_format="f32", log=print,
+        on_point=lambda point: None) -> dict:
+    """All points; returns the results record. `on_point(dict)` receives each point as it is
+    measured; a point that runs out of memory is recorded with an "error" instead."""
     config, params = kq.load_smollm2()
     tok = kq.from_gguf(kq.smollm2_gguf_path())
     points = []
     for ctx in contexts:
         for b in batches:
-            point = bench_point(config, params, _prompts(tok, b, ctx), steps=steps,
-                                chunk=chunk, block=block, kv_format=kv_format)
-            pre, step = point["prefill_tokens_per_s"], point["decode_step_ms"]
-            log(f"batch {b:2d} context {ctx:5d}: prefill tok/s dense {pre['dense']:8.1f} "
-                f"paged {pre['paged']:8.1f} (x{point['prefill_seconds']['ratio']:.2f} time) | "
-                f"decode step ms dense {step['dense']:7.1f} paged {step['paged']:7.1f} "
-                f"(x{step['ratio']:.2f})")
+            try:
+                point = bench_point(config, params, _prompts(tok, b, ctx), steps=steps,
+                                    chunk=chunk, block=block, kv_format=kv_format)
+            except Exception as error:  # out of memory is data; anything else is a bug
+                if not _out_of_memory(error):
+                    raise
+                point = {"batch": b, "context": ctx, "error": f"{type(error).__name__}: "
+                         f"{str(error)[:300]}", "load_average_1min": os.getloadavg()[0]}
+                log(f"batch {b:2d} context {ctx:5d}: {point['error']}")
+            else:
+                log(describe_point(point))
             points.append(point)
+            on_point(point)
     device = jax.devices()[0]
     return {
-        **run_record.run_metadata("experiments.bench_model"),
         "model": config.name,
         "kv_format": kv_format,
         "block_size": block,
         "chunk_size": chunk,
         "decode_steps": steps,
         "attention_backend": "auto -> " + ("pallas" if device.platform == "gpu" else "reference"),
-        "seed": None,  # deterministic: real text, greedy decode
         "points": points,
     }
 
 
+def describe_point(point: dict) -> str:
+    if "error" in point:
+        return f"batch {point['batch']:2d} context {point['context']:5d}: {point['error']}"
+    pre, step = point["prefill_tokens_per_s"], point["decode_step_ms"]
+    return (f"batch {point['batch']:2d} context {point['context']:5d}: prefill tok/s dense "
+            f"{pre['dense']:8.1f} paged {pre['paged']:8.1f} "
+            f"(x{point['prefill_seconds']['ratio']:.2f} time) | decode step ms dense "
+            f"{step['dense']:7.1f} paged {step['paged']:7.1f} (x{step['ratio']:.2f})")
+
+
+def plot(points, metrics, out_dir) -> list[str]:
+    """decode_step.png and prefill.png: dense vs paged per batch against context, from the run's
+    files (points that failed are left out)."""
+    import matplotlib.pyplot as plt
+
+    ok = [p for p in points if "error" not in p]
+    if not ok:
+        return []
+    names = []
+    for name, key, unit in (("decode_step.png", "decode_step_ms", "ms per decode step"),
+                            ("prefill.png", "prefill_tokens_per_s", "prefill tokens/s")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for batch in sorted({p["batch"] for p in ok}):
+            rows = sorted((p for p in ok if p["batch"] == batch), key=lambda p: p["context"])
+            ctx = [p["context"] for p in rows]
+            line, = ax.plot(ctx, [p[key]["dense"] for p in rows], "o--",
+                            label=f"dense, B={batch}")
+            ax.plot(ctx, [p[key]["paged"] for p in rows], "s-", color=line.get_color(),
+                    label=f"paged, B={batch}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_title(f"{metrics['model']}, {metrics['kv_format']} cache")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=120)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
 def main(argv):
     del argv
-    log = (lambda *a: print(*a, file=sys.stderr)) if FLAGS.json else print
-    record = run([int(b) for b in FLAGS.batches], [int(c) for c in FLAGS.contexts],
-                 steps=FLAGS.decode_steps, chunk=FLAGS.chunk_size, block=FLAGS.block_size,
-                 kv_format=FLAGS.kv_format, log=log)
-    run_record.write_record(record, FLAGS.out, FLAGS.json)
+    limit = kq.get_model_config(MODEL).max_context
+    batches, contexts = cli.int_list("batches"), cli.int_list("contexts")
+    if max(contexts) + FLAGS.decode_steps + 2 > limit:
+        raise cli.BadInput(f"--contexts up to {max(contexts)} plus --decode_steps="
+                           f"{FLAGS.decode_steps} (+2) exceed {MODEL}'s context of {limit}")
+    config = {"batches": batches, "contexts": contexts, "decode_steps": FLAGS.decode_steps,
+              "chunk_size": FLAGS.chunk_size, "block_size": FLAGS.block_size,
+              "kv_format": FLAGS.kv_format}
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731 (progress; stdout: the summary)
+
+    def measure(on_point):
+        return run(batches, contexts, steps=FLAGS.decode_steps, chunk=FLAGS.chunk_size,
+                   block=FLAGS.block_size, kv_format=FLAGS.kv_format, log=log,
+                   on_point=on_point)
+
+    runs.execute("bench_model", config, measure, seed=None, plot=plot,
+                 describe=lambda summary: "\n".join(map(describe_point, summary["points"])))
+
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run(main, define_flags)

@@ -16,9 +16,9 @@ Each run of a benchmark writes
 the same measurement of the same code on the same kind of device lands in the same directory.
 (Uncommitted changes do not change the key; config.json says `git_dirty`.) An existing complete
 run is never overwritten: it is shown again, with a note, unless --overwrite asks for a new
-measurement; an incomplete one (no metrics.json: an interrupted run) is refused unless
---overwrite. The summary also goes to stdout with --json (one line, the last) and to --out
-(a file, e.g. under results/, where committed summaries live).
+measurement; an incomplete one (no metrics.json: an interrupted run) is moved aside to
+`<dir>.incomplete-<time>` and measured again. The summary also goes to stdout with --json (one
+line, the last) and to --out (a file, e.g. under results/, where committed summaries live).
 
 Plots can be redrawn from a run directory alone:
 
@@ -200,7 +200,8 @@ def open_run(experiment: str, module: str, config: dict, *, seed, root: str = RU
     """The run directory of `config` under `root`: created (config.json written), or, when it
     already holds a complete run and `overwrite` is False, returned with `complete=True`.
 
-    Raises cli.BadInput for an incomplete existing run unless `overwrite`.
+    An incomplete existing run (no metrics.json: interrupted) is moved aside, not overwritten,
+    to `<dir>.incomplete-<UTC time>`, unless `overwrite`.
     """
     git = git_state()
     dev = device()
@@ -209,8 +210,9 @@ def open_run(experiment: str, module: str, config: dict, *, seed, root: str = RU
     if path.exists() and not overwrite:
         if (path / METRICS).exists():
             return Run(path, read_config(path), complete=True)
-        raise cli.BadInput(f"{path} exists but holds no {METRICS} (an interrupted run?); "
-                           "pass --overwrite to measure it again")
+        aside = path.with_name(f"{path.name}.incomplete-{now_utc().replace(':', '')}")
+        path.rename(aside)
+        cli.note(f"{path} held an interrupted run (no {METRICS}): moved to {aside}")
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
