@@ -11,6 +11,10 @@ Code conventions (one place, shared by the reference and the Pallas kernel):
   * asymmetric b-bit: uint codes u in [0, 2^b - 1], x = u * scale + zero (zero = group minimum),
     as in KIVI (Liu et al., 2024).
 
+Quantizing is told how many tokens each page holds (`fill`, i32[N], as the state's per-block
+fill): slots past it may hold NaN or another tenant's stale data and must reach no scale (KIVI
+keys reduce over the page's tokens, so a partial last page would otherwise be corrupted).
+
 `unpack_codes` and `dequantize_tile` use only ops the Pallas Triton lowering supports (shifts,
 masks, two-way stacks along the last axis, broadcasts and reshapes of power-of-two shapes), so the
 kernel calls the very same functions on its loaded tiles.
