@@ -1,0 +1,137 @@
+"""Bad invocations of every experiment CLI, as a new user types them: each must exit 2 with one
+line on stderr (`error: ...`), nothing on stdout and no traceback, before any heavy work (no
+weights load: each case takes about the time of importing jax).
+
+The invocations run once, side by side (a thread pool over subprocesses), in a module fixture;
+each case is then checked in its own test. MORE_CASES run only with -m slow.
+"""
+
+import concurrent.futures
+import os
+
+import jax
+import pytest
+
+import kvquota as kq
+from tests.experiments.common import run_cli
+
+# (module, arguments, text the one-line error must contain). {text} is a small UTF-8 file,
+# {empty} an empty one, {missing} a path that does not exist. CASES: the ones a new user hit,
+# one or more per CLI; MORE_CASES (marked slow): the rest of each CLI's checks.
+CASES = [
+    ("accounting", ["qwen2.5-72b"], "unexpected positional argument qwen2.5-72b"),
+    ("accounting", ["--model=gpt-5"], "valid choices: qwen2.5-0.5b"),
+    ("accounting", ["--batch=0"], "--batch=0: 0 is not a positive integer"),
+    ("score", ["--text_file={text}", "--max_tokens=-5"], "-5 is not a non-negative integer"),
+    ("score", ["--text_file={empty}"], "is empty: nothing to score"),
+    ("score", ["--text_file={text}", "--block_size=0"], "not an integer in the range [1, 1024]"),
+    ("score", ["--text_file={text}", "--block_size=100000"], "in the range [1, 1024]"),
+    ("score", ["--text_file={text}", "--kv_format=int8"], "not implemented yet"),
+    ("generate", ["--prompt=hi", "--max_new_tokens=0"], "0 is not a positive integer"),
+    ("demo", ["--max_new_tokens=-1"], "not an integer in the range [1, 192]"),
+    ("bench_reclaim", ["--repeats=0"], "--repeats=0"),
+    ("bench_attention", ["--contexts=0"], "0 is not in [1, 131072]"),
+    ("bench_model", ["--batches=0"], "0 is not in [1, 256]"),
+]
+MORE_CASES = [
+    ("accounting", ["--kv_format=int3"], "valid choices: f32, bf16"),
+    ("accounting", ["--seq_len=-5"], "--seq_len=-5"),
+    ("accounting", ["--block_size=0"], "--block_size=0"),
+    ("accounting", ["--nope=1"], "Unknown command line flag 'nope'"),
+    ("score", ["--text_file={text}", "--kv_format=fp8"], "use one of: f32, bf16, f16"),
+    ("score", ["--text_file={missing}"], "No such file or directory"),
+    ("score", [], "--text_file must have a value"),
+    ("score", ["--text_file={text}", "--model=qwen2.5-7b"], "needs --weights"),
+    ("score", ["--text_file={text}", "--weights={missing}"], "no such file or directory"),
+    ("score", ["--text_file={text}", "--model=qwen9"], "unknown model 'qwen9'"),
+    ("score", ["--text_file={text}", "stray"], "unexpected positional argument stray"),
+    ("generate", ["--prompt="], "--prompt is empty"),
+    ("generate", ["--prompt=hi", "--temperature=-1"], "not a non-negative number"),
+    ("generate", ["--prompt=hi", "--kv_format=kivi2"], "not supported here"),
+    ("generate", ["--prompt=hi", "more", "words"], "unexpected positional arguments more words"),
+    ("demo", ["now"], "unexpected positional argument now"),
+    ("bench_reclaim", ["--log2_blocks=40"], "not an integer in the range [13, 24]"),
+    ("bench_reclaim", ["--scaling=14,x"], "'x' is not an integer"),
+    ("bench_reclaim", ["20"], "unexpected positional argument 20"),
+    ("bench_attention", ["--cpu_dtype=int8"], "value should be one of <float32|bfloat16>"),
+    ("bench_attention", ["--gpu_dry_run", "--gpu_context=100"], "not a multiple of 16 pages"),
+    ("bench_attention", ["--cpu_model=llama"], "unknown model 'llama'"),
+    ("bench_model", ["--contexts=8190"], "exceed smollm2-135m's context of 8192"),
+    ("bench_model", ["--kv_format=int8"], "value should be one of <f32|bf16>"),
+    ("runs", ["--run_dir={missing}"], "not a complete run directory"),
+]
+if jax.default_backend() != "gpu":  # with a GPU, --skip_cpu is a legitimate (GPU-only) run
+    MORE_CASES.append(("bench_attention", ["--skip_cpu"], "--skip_cpu leaves nothing to measure"))
+
+HELP = ["accounting", "score", "generate"]  # CLIs with --model
+MORE_HELP = ["bench_attention"]  # --cpu_model, --gpu_model
+
+
+def _ids(case):
+    module, args, _ = case
+    return f"{module} {' '.join(args) or '(no flags)'}"
+
+
+def _run_all(tmp, cases, helps):
+    """Runs every case and every --help side by side: {(module, args): CompletedProcess}."""
+    (tmp / "text.txt").write_text("A short text to score.\n", encoding="utf-8")
+    (tmp / "empty.txt").write_text("", encoding="utf-8")
+    paths = dict(text=tmp / "text.txt", empty=tmp / "empty.txt", missing=tmp / "missing")
+    jobs = {(m, tuple(a)): [x.format(**paths) for x in a] for m, a, _ in cases}
+    jobs.update({(m, ("--help",)): ["--help"] for m in helps})
+    workers = max(2, min(8, os.cpu_count() or 2))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {key: pool.submit(run_cli, key[0], *args, cwd=tmp, timeout=120)
+                   for key, args in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _run_all(tmp_path_factory.mktemp("cli"), CASES, HELP)
+
+
+@pytest.fixture(scope="module")
+def more_results(tmp_path_factory):
+    return _run_all(tmp_path_factory.mktemp("cli_more"), MORE_CASES, MORE_HELP)
+
+
+def _check_bad(result, message):
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert message in lines[0]
+    assert result.returncode == 2
+    assert result.stdout == ""
+
+
+def _check_help(result, module):
+    assert "Traceback" not in result.stderr
+    text = " ".join(result.stdout.split())  # absl wraps help text
+    for name in kq.MODELS:
+        assert name in text, (module, name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_bad_invocation_exits_2_with_one_line(results, case):
+    module, args, message = case
+    _check_bad(results[(module, tuple(args))], message)
+
+
+@pytest.mark.parametrize("module", HELP)
+def test_help_lists_the_model_presets(results, module):
+    _check_help(results[(module, ("--help",))], module)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MORE_CASES, ids=[_ids(c) for c in MORE_CASES])
+def test_more_bad_invocations(more_results, case):
+    module, args, message = case
+    _check_bad(more_results[(module, tuple(args))], message)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", MORE_HELP)
+def test_more_help(more_results, module):
+    _check_help(more_results[(module, ("--help",))], module)
