@@ -12,7 +12,6 @@ Qwen2.5 reaches 128K with YaRN), with a one-line note on stderr.
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import flags
 

@@ -19,10 +19,10 @@ import math
 import sys
 import time
 
-from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 import kvquota as kq
 from experiments import cli, runs
@@ -54,8 +54,8 @@ def define_flags():
                        "Nominal HBM bandwidth (TB/s) of the device (H200: 4.8).", lower_bound=1e-3)
     flags.DEFINE_bool("gpu_sweep", True, "Also time a small grid of kernel knobs on GPU.")
     flags.DEFINE_bool("gpu_dry_run", False,
-                      "Run the GPU part here with Pallas interpreted (checks the code path off GPU; "
-                      "use small --gpu_batch/--gpu_context; numbers mean nothing).")
+                      "Run the GPU part here with Pallas interpreted (checks the code path off "
+                      "GPU; use small --gpu_batch/--gpu_context; numbers mean nothing).")
     runs.define_flags()
 
 

@@ -125,12 +125,13 @@ def _check_kv_format(name: str, allowed: Sequence[str] | None, refused: str) -> 
     return True
 
 
-def define_model(default: str = "smollm2-135m", extra_help: str = "") -> None:
-    """--model, a preset name; its help lists the presets (configs.models.MODELS)."""
-    flags.DEFINE_string("model", default, " ".join(
+def define_model(default: str = "smollm2-135m", extra_help: str = "", *,
+                 name: str = "model") -> None:
+    """--model (or --<name>), a preset name; its help lists the presets (configs.models.MODELS)."""
+    flags.DEFINE_string(name, default, " ".join(
         [f"Model preset, one of: {', '.join(MODELS)}.", extra_help]).strip(),
         module_name=_main_module())
-    flags.register_validator("model", _check_model)
+    flags.register_validator(name, _check_model)
 
 
 def define_kv_format(default: str, allowed: Sequence[str] | None = None, refused: str = "",

@@ -6,14 +6,15 @@ import json
 import math
 import subprocess
 import sys
+from pydoc_data.topics import topics
 
 import numpy as np
 import pytest
-from pydoc_data.topics import topics
 
 import kvquota as kq
 from experiments import generate as generate_cli
-from tests.experiments.common import TINY_MODEL as MODEL, tiny_checkpoint
+from tests.experiments.common import TINY_MODEL as MODEL
+from tests.experiments.common import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
