@@ -22,6 +22,7 @@ import numpy as np
 
 from kvquota import core
 from kvquota.reports import (
+    MoveReport,
     AdmitReport,
     AppendReport,
     ForkReport,
@@ -36,8 +37,11 @@ from kvquota.errors import (
     DuplicateIdError,
     InputDtypeError,
     InputShapeError,
+    PoolFullError,
+    QuotaExceededError,
     QuotaValueError,
     SequenceTooLongError,
+    TierError,
     TenantExistsError,
     TokenIdError,
     UnknownSequenceError,
@@ -45,47 +49,10 @@ from kvquota.errors import (
 )
 from kvquota.invariants import check_invariants
 from kvquota.sentinel import INVALID
-from kvquota.codes import INT32_MAX, SEQ_RUNNING
+from kvquota.codes import INT32_MAX, SEQ_RUNNING, SEQ_SUSPENDED, STATUS_NAMES
 from kvquota.hashing import group_salt, private_salt
 from kvquota.state import KVState, StateConfig, init_state, validate_state
-
-
-def _bucket(n: int) -> int:
-    """Smallest power of two >= max(n, 1): bounds recompiles to log2(max_seqs) sizes."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _pad(ids, size: int) -> np.ndarray:
-    out = np.full(size, INVALID, np.int32)
-    out[: len(ids)] = ids
-    return out
-
-
-def _int_array(name: str, value, ndim: int) -> np.ndarray:
-    """An integer array of rank `ndim` as int32; floats/bools/objects are rejected, not cast."""
-    if isinstance(value, (list, tuple)):
-        try:
-            value = np.asarray(value)
-        except ValueError as err:  # ragged nested lists
-            raise InputShapeError(f"{name} must be a rectangular integer array: {err}") from None
-        if value.size == 0:
-            value = value.astype(np.int32)
-    if not isinstance(value, (np.ndarray, jax.Array)):
-        raise InputDtypeError(f"{name} must be an integer array, got {type(value).__name__}")
-    if value.dtype == bool or not np.issubdtype(value.dtype, np.integer):
-        raise InputDtypeError(f"{name} must have an integer dtype, got {value.dtype}")
-    if value.ndim != ndim:
-        raise InputShapeError(f"{name} must have rank {ndim}, got shape {tuple(value.shape)}")
-    arr = np.asarray(value)
-    if arr.size and (arr.min() < INVALID or arr.max() > INT32_MAX):
-        raise InputDtypeError(f"{name} has values outside [{INVALID}, {INT32_MAX}]")
-    return arr.astype(np.int32)
-
-
-def _int_scalar(name: str, value, error=QuotaValueError) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise error(f"{name} must be an integer, got {value!r}")
-    return int(value)
+from kvquota.validation import bucket, int_array, int_scalar, pad
 
 
 class Allocator:
@@ -124,22 +91,27 @@ class Allocator:
                     salt=np.uint32(salt))
 
     def _tenant(self, state, tenant, *, registered=True) -> int:
-        t = _int_scalar("tenant", tenant, UnknownTenantError)
+        t = int_scalar("tenant", tenant, UnknownTenantError)
         if not 0 <= t < self.config.num_tenants:
             raise UnknownTenantError(f"tenant {t} outside [0, {self.config.num_tenants})")
         if registered and not np.asarray(state.tenants.registered)[t]:
             raise UnknownTenantError(f"tenant {t} is not registered")
         return t
 
-    def _running(self, state, seq_ids, what: str, error=UnknownSequenceError):
+    def _running(self, state, seq_ids, what: str, error=UnknownSequenceError,
+                 allowed=(SEQ_RUNNING,)):
+        """The real (non-padding) ids of `seq_ids`, each in range and in an `allowed` status."""
         ids = seq_ids[seq_ids != INVALID]
         bad = ids[(ids < 0) | (ids >= self.config.max_seqs)]
         if bad.size:
             raise error(f"{what}: sequence id {int(bad[0])} outside [0, {self.config.max_seqs})")
         if ids.size:
             status = np.asarray(state.seqs.seq_status)[ids]
-            if (status != SEQ_RUNNING).any():
-                raise error(f"{what}: sequence {int(ids[status != SEQ_RUNNING][0])} is not running")
+            wrong = ~np.isin(status, allowed)
+            if wrong.any():
+                names = " or ".join(STATUS_NAMES[a] for a in allowed)
+                raise error(f"{what}: sequence {int(ids[wrong][0])} is "
+                            f"{STATUS_NAMES.get(int(status[wrong][0]), 'unknown')}, not {names}")
         return ids
 
     def _heir_rows(self, state, salts, exclude) -> Optional[np.ndarray]:
@@ -150,11 +122,11 @@ class Allocator:
         live = ten >= 0
         rows = np.flatnonzero(live & np.isin(salt[np.maximum(ten, 0)], np.asarray(salts)))
         rows = np.setdiff1d(rows, exclude)
-        return _pad(rows, _bucket(len(rows))) if len(rows) else None
+        return pad(rows, bucket(len(rows))) if len(rows) else None
 
     # ---- tenants ---------------------------------------------------------------------------
     def _quota_units(self, byte_quota) -> int:
-        b = _int_scalar("byte_quota", byte_quota)
+        b = int_scalar("byte_quota", byte_quota)
         if b < 0:
             raise QuotaValueError(f"byte_quota must be >= 0, got {b}")
         units = b // self.config.unit_bytes  # whole units: a cap, so round down
@@ -167,7 +139,7 @@ class Allocator:
 
     @staticmethod
     def _nonneg(name, value, top=INT32_MAX) -> int:
-        v = _int_scalar(name, value)
+        v = int_scalar(name, value)
         if not 0 <= v <= top:
             raise QuotaValueError(f"{name} must be in [0, {top}], got {v}")
         return v
@@ -220,7 +192,7 @@ class Allocator:
     def expired_tenants(self, state, step: int) -> np.ndarray:
         """Registered tenants whose lease_expiry <= step."""
         self._check_state(state)
-        step = _int_scalar("step", step)
+        step = int_scalar("step", step)
         return np.flatnonzero(np.asarray(state.tenants.registered) & (np.asarray(state.tenants.lease_expiry) <= step))
 
     # ---- admit / append / fork -------------------------------------------------------------
@@ -238,9 +210,9 @@ class Allocator:
         """
         self._check_state(state)
         c = self.config
-        ten = _int_array("tenants", tenants, 1)
-        tok = _int_array("tokens", tokens, 2)
-        lens = _int_array("lengths", lengths, 1)
+        ten = int_array("tenants", tenants, 1)
+        tok = int_array("tokens", tokens, 2)
+        lens = int_array("lengths", lengths, 1)
         b = ten.shape[0]
         if b == 0 or tok.shape[0] != b or lens.shape[0] != b:
             raise InputShapeError(
@@ -269,8 +241,8 @@ class Allocator:
         token's K/V."""
         self._check_state(state)
         c = self.config
-        ids = _int_array("seq_ids", seq_ids, 1)
-        tok = _int_array("tokens", tokens, 1)
+        ids = int_array("seq_ids", seq_ids, 1)
+        tok = int_array("tokens", tokens, 1)
         if ids.shape != tok.shape or ids.size == 0:
             raise InputShapeError(f"seq_ids {ids.shape} and tokens {tok.shape} must be [B], B >= 1")
         real_ids = self._running(state, ids, "append")
@@ -288,7 +260,7 @@ class Allocator:
         """Fork running sequences (i32[B], INVALID = padding) into new slots of the same tenant:
         full blocks shared by reference, the partly filled last block copied."""
         self._check_state(state)
-        ids = _int_array("seq_ids", seq_ids, 1)
+        ids = int_array("seq_ids", seq_ids, 1)
         if ids.size == 0:
             raise InputShapeError("seq_ids must have at least one row")
         self._running(state, ids, "fork")
@@ -296,7 +268,7 @@ class Allocator:
 
     # ---- pins ------------------------------------------------------------------------------
     def _blocks(self, state, block_ids, what):
-        ids = _int_array("block_ids", block_ids, 1)
+        ids = int_array("block_ids", block_ids, 1)
         if ids.size == 0:
             raise InputShapeError("block_ids must have at least one row")
         real = ids[ids != INVALID]
@@ -329,11 +301,11 @@ class Allocator:
         return core.run("unpin", self.config, state, ids, heirs, donate=donate)
 
     def _prefix(self, state, seq_id, num_blocks):
-        sid = _int_scalar("seq_id", seq_id, UnknownSequenceError)
+        sid = int_scalar("seq_id", seq_id, UnknownSequenceError)
         if not 0 <= sid < self.config.max_seqs:
             raise UnknownSequenceError(f"sequence id {sid} outside [0, {self.config.max_seqs})")
         self._running(state, np.array([sid], np.int32), "prefix")
-        n = _int_scalar("num_blocks", num_blocks, BlockStateError)
+        n = int_scalar("num_blocks", num_blocks, BlockStateError)
         have = -(-int(state.seqs.seq_lens[sid]) // self.config.block_size)
         if not 1 <= n <= have:
             raise BlockStateError(f"num_blocks {n} outside [1, {have}] for sequence {sid}")
@@ -354,15 +326,16 @@ class Allocator:
         """Free sequences (i32[B], INVALID = padding): one reference dropped per block-table
         entry; blocks held by nothing return to their pool with their hash entries cleared."""
         self._check_state(state)
-        ids = _int_array("seq_ids", seq_ids, 1)
+        ids = int_array("seq_ids", seq_ids, 1)
         if ids.size == 0:
             raise InputShapeError("seq_ids must have at least one row")
-        real = self._running(state, ids, "free", error=DoubleFreeError)
+        real = self._running(state, ids, "free", error=DoubleFreeError,
+                             allowed=(SEQ_RUNNING, SEQ_SUSPENDED))
         if len(np.unique(real)) != len(real):
             raise DoubleFreeError("free: a sequence appears twice in one call")
         ten = np.asarray(state.seqs.seq_tenant)[real]
         heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
-        rows = _pad(real, _bucket(len(real)))
+        rows = pad(real, bucket(len(real)))
         return core.run("drop", self.config, state, rows, heirs, None, 0, donate=donate)
 
     def release_plan(self, state, tenant, unpin=False):
@@ -372,8 +345,8 @@ class Allocator:
         rows = np.flatnonzero(ten == t)
         heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[[t]], rows)
         pinned = int(np.asarray(state.tenants.pinned_blocks)[t].sum()) if unpin else 0
-        slots = _bucket(pinned) if pinned else 0
-        return t, _pad(rows, _bucket(len(rows))), heirs, slots
+        slots = bucket(pinned) if pinned else 0
+        return t, pad(rows, bucket(len(rows))), heirs, slots
 
     def release_tenant(self, state, tenant, *, unpin=False, donate=False
                        ) -> tuple[KVState, FreeReport]:
@@ -388,3 +361,61 @@ class Allocator:
         return core.run("drop", self.config, state, rows, heirs, np.int32(t) if slots else None,
                         slots, donate=donate)
 
+    # ---- tiers: offload / restore ----------------------------------------------------------
+    def _moves(self, state, seq_ids, what, allowed):
+        """The real ids of `seq_ids` and the validated input rows (reports follow input rows)."""
+        if self.config.host_pool is None:
+            raise TierError(f"{what}: this config has no host pool (host_blocks=0)")
+        ids = int_array("seq_ids", seq_ids, 1)
+        if ids.size == 0:
+            raise InputShapeError("seq_ids must have at least one row")
+        real = self._running(state, ids, what, allowed=allowed)
+        if len(np.unique(real)) != len(real):
+            raise DuplicateIdError(f"{what}: a sequence appears twice in one call")
+        return real, ids
+
+    def _own_blocks(self, state, real, pool):
+        """Own blocks (ref 1, unpinned, paid by the sequence's tenant) of each real row in
+        `pool`: the blocks a lossless move takes (the same rule as the core's)."""
+        c = self.config
+        tables = np.asarray(state.seqs.block_tables)[real]
+        ten = np.asarray(state.seqs.seq_tenant)[real]
+        ids = np.maximum(tables, 0)
+        ref, pin, payer = jax.device_get(tuple(
+            a[ids] for a in (state.blocks.ref_count, state.blocks.pin_count, state.blocks.payer)))
+        pools = np.searchsorted(np.asarray(c.pool_starts), ids, side="right") - 1
+        return ((tables >= 0) & (pools == pool) & (ref == 1) & (pin == 0)
+                & (payer == ten[:, None])).sum(axis=1), ten
+
+    def offload(self, state, seq_ids, *, donate=False) -> tuple[KVState, MoveReport]:
+        """Move running sequences' own device blocks to the host pool; they become SUSPENDED
+        (not decodable until restored). Shared and pinned blocks stay on the device."""
+        self._check_state(state)
+        c = self.config
+        real, rows = self._moves(state, seq_ids, "offload", (SEQ_RUNNING,))
+        need = int(self._own_blocks(state, real, 0)[0].sum())
+        room = int(np.asarray(state.free.free_count)[c.host_pool])
+        if need > room:
+            raise PoolFullError(f"offload: {need} blocks to move, the host pool has {room} free")
+        return core.run("offload", c, state, rows, donate=donate)
+
+    def restore(self, state, seq_ids, *, donate=False) -> tuple[KVState, MoveReport]:
+        """Bring suspended sequences' host blocks back to pool 0, bit-exact; RUNNING again.
+        Needs room in pool 0 and room under each tenant's byte quota for the restored blocks."""
+        self._check_state(state)
+        c = self.config
+        real, rows = self._moves(state, seq_ids, "restore", (SEQ_SUSPENDED,))
+        per_row, ten = self._own_blocks(state, real, c.host_pool)
+        room = int(np.asarray(state.free.free_count)[0])
+        if int(per_row.sum()) > room:
+            raise PoolFullError(f"restore: {int(per_row.sum())} blocks to bring back, pool 0 has "
+                                f"{room} free")
+        charged = np.asarray(state.tenants.charged_blocks)[:, 0].astype(np.int64)
+        quota = np.asarray(state.tenants.byte_quota).astype(np.int64)
+        for t in np.unique(ten):
+            after = (charged[t] + per_row[ten == t].sum()) * c.pool_units[0]
+            if after > quota[t]:
+                raise QuotaExceededError(
+                    f"restore: tenant {int(t)} would hold {after * c.unit_bytes} B of device "
+                    f"blocks, over its byte quota of {int(quota[t]) * c.unit_bytes} B")
+        return core.run("restore", c, state, rows, donate=donate)

@@ -8,9 +8,11 @@ their numbers and new codes take new ones.
 SEQ_FREE = 0  # slot unused: tenant INVALID, empty table
 SEQ_RUNNING = 1  # holds its blocks, may append
 SEQ_PREEMPTED = 2  # reserved: archived, to be replayed by recomputing prefill
-SEQ_SUSPENDED = 3  # reserved: its blocks offloaded to the host pool
+SEQ_SUSPENDED = 3  # its own blocks offloaded to the host pool; not decodable until restored
 # The fates of a reclaim (idle sessions, lossy survivors, "grow but admit nothing new") take the
 # next numbers, 4 and up.
+STATUS_NAMES = {SEQ_FREE: "free", SEQ_RUNNING: "running", SEQ_PREEMPTED: "preempted",
+                SEQ_SUSPENDED: "suspended"}
 
 # ---- block tier (i8, `KVState.blocks.tier`): where a pool lives ------------------------------------
 TIER_DEVICE = 0

@@ -12,8 +12,9 @@ __all__ = [
     "StateMismatchError", "InputShapeError", "InputDtypeError", "UnknownTenantError",
     "TenantExistsError", "QuotaValueError", "UnknownSequenceError", "DoubleFreeError",
     "DuplicateIdError", "SequenceTooLongError", "TokenIdError", "BlockStateError",
-    "InvariantError", "ContextTooLongError", "TokenizerError", "WeightsError",
-    "WeightsNotFoundError", "UnsupportedArchitectureError", "ConfigMismatchError",
+    "PoolFullError", "QuotaExceededError", "TierError", "InvariantError", "ContextTooLongError",
+    "TokenizerError", "WeightsError", "WeightsNotFoundError", "UnsupportedArchitectureError",
+    "ConfigMismatchError",
 ]
 
 
@@ -64,6 +65,19 @@ class TokenIdError(KVQuotaError):
 class BlockStateError(KVQuotaError):
     """A block id is out of range, or the block is in the wrong state (pinning a free block,
     unpinning a block that is not pinned)."""
+
+
+class PoolFullError(KVQuotaError):
+    """A move needs more free blocks than the target pool has (offload without host room,
+    restore without device room)."""
+
+
+class QuotaExceededError(KVQuotaError):
+    """An explicit move would put a tenant over its byte quota (restore after a quota cut)."""
+
+
+class TierError(KVQuotaError):
+    """The config lacks the pool an operation needs (no host pool, no pool of that format)."""
 
 
 class InvariantError(KVQuotaError):

@@ -13,7 +13,9 @@ shows up as a difference rather than being repeated. It checks:
   * every held block is charged to one registered tenant, who still references it unless it is
     pinned; cross-tenant references only between tenants sharing a salt;
   * block fill and token ids agree with every referencing sequence; every full block of a live
-    sequence is hashed with the chained hash of its tokens and salt, with the right parent;
+    sequence carries the chained hash of its tokens and salt, with the right parent, and is a
+    lookup target exactly when it sits in pool 0 (host-resident or compressed blocks never are);
+  * suspended sequences hold no own block outside the host pool except shared or pinned ones;
   * the ledger columns (used tokens, charged and pinned blocks per pool) equal their
     recomputation, and the charges add up to each pool's held blocks (the real watermark).
 """
@@ -25,7 +27,7 @@ import numpy as np
 
 from kvquota.errors import InvariantError
 from kvquota.sentinel import INVALID
-from kvquota.codes import SEQ_FREE, SEQ_RUNNING
+from kvquota.codes import SEQ_FREE, SEQ_RUNNING, SEQ_SUSPENDED
 from kvquota.hashing import block_hash, salt_root
 from kvquota.state import KVState, StateConfig, pool_of, validate_state
 
@@ -104,7 +106,9 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     _diff(problems, "precision", st.blocks.precision, np.asarray(config.pool_precisions)[pools])
 
     # Sequences.
-    _flag(problems, "unknown sequence status", ~np.isin(st.seqs.seq_status, [SEQ_FREE, SEQ_RUNNING]))
+    status = st.seqs.seq_status
+    _flag(problems, "unknown sequence status",
+          ~np.isin(status, [SEQ_FREE, SEQ_RUNNING, SEQ_SUSPENDED]))
     _flag(problems, "live sequence of an unregistered/invalid tenant",
           live & ~((st.seqs.seq_tenant >= 0) & (st.seqs.seq_tenant < ntn)
                    & st.tenants.registered[np.clip(st.seqs.seq_tenant, 0, ntn - 1)]))
@@ -114,6 +118,14 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     _flag(problems, "live sequence length outside [1, MB*P]",
           live & ((st.seqs.seq_lens < 1) | (st.seqs.seq_lens > mb * p)))
     _diff(problems, "positions (no eviction yet: == seq_lens)", st.seqs.positions, st.seqs.seq_lens)
+    tab_c = np.clip(tab, 0, nb - 1)
+    host = -1 if config.host_pool is None else config.host_pool
+    own_on_device = ((tab >= 0) & (pools[tab_c] != host) & (r["ref"][tab_c] == 1)
+                     & (st.blocks.pin_count[tab_c] == 0))
+    _flag(problems, "suspended sequence with an own block still on the device",
+          (status == SEQ_SUSPENDED) & own_on_device.any(1))
+    _flag(problems, "running sequence with a block in the host pool",
+          (status == SEQ_RUNNING) & ((tab >= 0) & (pools[tab_c] == host)).any(1))
     nblk = (np.clip(st.seqs.seq_lens, 0, mb * p) + p - 1) // p
     k = np.arange(mb)[None, :]
     should = live[:, None] & (k < nblk[:, None])
@@ -203,9 +215,14 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
             break
         h = block_hash(prev, st.blocks.token_ids[np.clip(tab[:, col], 0, nb - 1)], config.hash_bits, xp=np)
         stored = st.blocks.block_hash[np.clip(tab[:, col], 0, nb - 1)]
-        bad_hash[:, col] = rows & ((stored != h).any(1) | ~st.blocks.hashed[np.clip(tab[:, col], 0, nb - 1)])
+        in_pool0 = pools[np.clip(tab[:, col], 0, nb - 1)] == 0
+        hashed = st.blocks.hashed[np.clip(tab[:, col], 0, nb - 1)]
+        bad_hash[:, col] = rows & ((stored != h).any(1) | (hashed != in_pool0))
         prev = h
-    _flag(problems, "full block not hashed with its chain hash (seq, pos)", bad_hash)
+    _flag(problems, "full block without its chain hash, or hashed outside pool 0 (seq, pos)",
+          bad_hash)
+    _flag(problems, "lookup target outside the full-precision device pool",
+          st.blocks.hashed & (pools != 0))
     _flag(problems, "partial block hashed", st.blocks.hashed & (st.blocks.fill < p))
     _diff(problems, "block_salt of referenced blocks", st.blocks.block_salt[ent_blk],
           np.broadcast_to(salts[:, None], tab.shape)[ents_ok])

@@ -68,3 +68,16 @@ def init_pages(config: StateConfig) -> tuple[PoolPages, ...]:
             k, v = (jax.device_put(a, host_sharding()) for a in (k, v))
         pages.append(PoolPages(k=k, v=v))
     return tuple(pages)
+
+
+def to_memory(tree, host: bool):
+    """Inside jit: place every array of `tree` in host (`pinned_host`) or device memory, where
+    the backend has host memory (else unchanged). Moves between the host pool and a device pool
+    go through this explicitly, so XLA never mixes memory spaces in one gather or scatter."""
+    sharding = host_sharding()
+    if sharding is None:
+        return tree
+    if not host:
+        device = next(iter(sharding.device_set))
+        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)

@@ -115,6 +115,54 @@ class FreeReport:
 
 
 @struct.dataclass
+class MoveReport:
+    """What a lossless move between pools (offload to host, restore to device) did.
+
+    `pool_bytes_returned` counts the source pool's blocks that went back to its free list;
+    `bytes_moved` the bytes copied across; `transfer_seconds` their time at the configured host
+    bandwidth (a model, not a measurement). The host alarm rings when the host pool is filled to
+    its watermark.
+    """
+
+    moved_blocks: jax.Array  # i32[B]  own blocks moved per sequence
+    blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
+    quota_units_released: jax.Array  # i32[T]  charges dropped per tenant in the source pool
+    host_blocks_used: jax.Array  # i32[]  host pool blocks held after the move
+    src_pool: int = struct.field(pytree_node=False, default=0)
+    dst_pool: int = struct.field(pytree_node=False, default=0)
+    pool_bytes: tuple = struct.field(pytree_node=False, default=())
+    unit_bytes: int = struct.field(pytree_node=False, default=1)
+    host_blocks: int = struct.field(pytree_node=False, default=0)
+    host_watermark: float = struct.field(pytree_node=False, default=0.8)
+    host_bandwidth: float = struct.field(pytree_node=False, default=50e9)
+
+    @property
+    def blocks_moved(self) -> int:
+        return int(np.asarray(self.moved_blocks).sum())
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.blocks_moved * self.pool_bytes[self.src_pool]
+
+    @property
+    def pool_bytes_returned(self) -> int:
+        return int(_blocks_to_bytes(self.blocks_returned, self.pool_bytes))
+
+    @property
+    def transfer_seconds(self) -> float:
+        return self.bytes_moved / self.host_bandwidth
+
+    @property
+    def host_alarm(self) -> bool:
+        return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
+
+
+def host_alarm(used_blocks: int, host_blocks: int, watermark: float) -> bool:
+    """The host pool's watermark alarm: held blocks at or above `watermark` of its capacity."""
+    return host_blocks > 0 and used_blocks >= watermark * host_blocks
+
+
+@struct.dataclass
 class TenantReport:
     """After registering or changing a tenant: how far it is over its (possibly cut) quotas."""
 

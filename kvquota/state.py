@@ -59,6 +59,10 @@ class StateConfig:
       scrub_on_free: zero the pages of blocks returned to any pool.
       lookup_candidates: equal-hash blocks checked per prefix lookup (token/parent check).
       hash_bits: bits kept per 32-bit hash word; < 32 only to force collisions in tests.
+      host_watermark: fraction of the host pool at which its alarm rings (compression, the
+        next reclaim means, is gated on it).
+      host_bandwidth: host <-> device copy bandwidth in bytes/s for the modelled transfer time
+        of offload/restore (default 50 GB/s: PCIe Gen5 x16, effective).
     """
 
     model: ModelConfig
@@ -74,6 +78,8 @@ class StateConfig:
     scrub_on_free: bool = False
     lookup_candidates: int = 4
     hash_bits: int = 32
+    host_watermark: float = 0.8
+    host_bandwidth: float = 50e9
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_seqs", "max_blocks_per_seq",
@@ -93,6 +99,10 @@ class StateConfig:
         names = [self.kv_format] + [name for name, _ in self.compressed_pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool formats must be distinct, got {names}")
+        if not 0 < self.host_watermark <= 1:
+            raise ValueError(f"host_watermark must be in (0, 1], got {self.host_watermark}")
+        if not self.host_bandwidth > 0:
+            raise ValueError(f"host_bandwidth must be > 0 bytes/s, got {self.host_bandwidth}")
         if not 0 <= self.hash_bits <= 32:
             raise ValueError(f"hash_bits must be in [0, 32], got {self.hash_bits}")
         # Everything in the state is int32: make sure no count can overflow.

@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from kvquota.core import admission, pins, release, tenants
+from kvquota.core import admission, pins, release, tenants, tiers
 
 # name -> (core, static argument positions besides the config at 0)
 _CORES = {
@@ -23,6 +23,8 @@ _CORES = {
     "unpin": (pins.unpin, ()),
     "drop": (release.drop_sequences, (5,)),  # unpin_slots sizes an array
     "set_tenant": (tenants.set_tenant, ()),
+    "offload": (tiers.offload, ()),
+    "restore": (tiers.restore, ()),
 }
 
 

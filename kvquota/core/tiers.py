@@ -1,0 +1,128 @@
+"""Moving a sequence's own blocks between pools, losslessly: offload to the host pool and restore.
+
+A block is a sequence's *own* when only this sequence references it (ref_count 1), it is not
+pinned and the sequence's tenant pays for it: moving it changes nothing any other sequence or
+tenant sees. Shared and pinned blocks stay where they are. A move pops blocks from the target
+pool, copies pages and per-block metadata, relinks the prefix chain (`parent`, `parent_gen`) of
+the moved entries and of the entries that follow them, rewrites the table, then lets `settle`
+free the old blocks (generation bumped, scrubbed under scrub_on_free, charge dropped).
+
+Only exact full-precision device blocks are prefix-cache targets: a block offloaded to the host
+is unhashed (its chain hash is kept, so a restore makes it a target again, with fresh parents).
+The host pool is read with host-placed indices and values cross memory spaces through explicit
+`to_memory` transfers, so no gather or scatter mixes host and device memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvquota.codes import SEQ_RUNNING, SEQ_SUSPENDED
+from kvquota.core.release import settle
+from kvquota.core.scatter import clip, oob
+from kvquota.pages import to_memory
+from kvquota.reports import MoveReport
+from kvquota.sentinel import INVALID
+from kvquota.state import KVState, StateConfig, pool_of
+
+
+def pop_blocks(config: StateConfig, state: KVState, take, pool: int):
+    """Block ids (i32[K], INVALID where not `take`) popped in order from `pool`'s stack, and
+    how many were popped."""
+    ti = take.astype(jnp.int32)
+    rank = jnp.cumsum(ti) - ti
+    top = config.pool_starts[pool] + state.free.free_count[pool] - 1
+    ids = state.free.free_list[clip(top - rank)]
+    return jnp.where(take, ids, INVALID), ti.sum()
+
+
+def _move_pages(config, pages, src_ids, dst_ids, mask, src_pool, dst_pool):
+    """Copy the pages of blocks `src_ids` (in src_pool) to `dst_ids` (in dst_pool) where mask."""
+    if not pages:
+        return pages
+    src_local = clip(jnp.where(mask, src_ids - config.pool_starts[src_pool], 0))
+    dst_local = oob(dst_ids - config.pool_starts[dst_pool], mask, config.pool_sizes[dst_pool])
+    src_host = src_pool == config.host_pool
+    if src_host:  # gather from host memory with host-placed indices
+        src_local = to_memory(src_local, host=True)
+    moved = jax.tree.map(lambda a: a[:, :, src_local], pages[src_pool])
+    moved = to_memory(moved, host=dst_pool == config.host_pool)
+    dst = jax.tree.map(lambda a, m: a.at[:, :, dst_local].set(m, mode="drop"),
+                       pages[dst_pool], moved)
+    return tuple(dst if p == dst_pool else pp for p, pp in enumerate(pages))
+
+
+def move_sequences(config: StateConfig, state: KVState, seq_ids, src_pool: int, dst_pool: int,
+                   status: int):
+    """Move the own blocks of `seq_ids` (i32[B], unique, INVALID = padding) that sit in
+    `src_pool` to `dst_pool` and set the sequences' status. The facade checked room and quota."""
+    p, nb, ns, ntn = config.block_size, config.total_blocks, config.max_seqs, config.num_tenants
+    b, mb = seq_ids.shape[0], config.max_blocks_per_seq
+    valid = seq_ids >= 0
+    sc = clip(seq_ids)
+    rows = jnp.where(valid[:, None], state.seqs.block_tables[sc], INVALID)  # [B, MB]
+    ten = jnp.where(valid, state.seqs.seq_tenant[sc], INVALID)
+    tcol = jnp.broadcast_to(ten[:, None], (b, mb))
+    rc = clip(rows)
+    blk = state.blocks
+    move = ((rows >= 0) & (pool_of(config, rc) == src_pool) & (blk.ref_count[rc] == 1)
+            & (blk.pin_count[rc] == 0) & (blk.payer[rc] == tcol))
+    new_flat, n_moved = pop_blocks(config, state, move.ravel(), dst_pool)
+    new = jnp.where(move, new_flat.reshape(b, mb), rows)  # the table after the move
+    prev_new = jnp.pad(new[:, :-1], ((0, 0), (1, 0)), constant_values=INVALID)
+    prev_moved = jnp.pad(move[:, :-1], ((0, 0), (1, 0)))
+    relink = oob(new, (rows >= 0) & (move | prev_moved), nb)
+    dst = oob(new, move, nb)
+    full = blk.fill[rc] == p
+    per_seq = move.sum(axis=1).astype(jnp.int32)
+
+    s = state
+    state = s.update(
+        ref_count=blk.ref_count.at[dst].set(1, mode="drop").at[oob(rows, move, nb)].set(
+            0, mode="drop"),
+        payer_refs=blk.payer_refs.at[dst].set(1, mode="drop").at[oob(rows, move, nb)].set(
+            0, mode="drop"),
+        payer=blk.payer.at[dst].set(tcol, mode="drop"),
+        fill=blk.fill.at[dst].set(blk.fill[rc], mode="drop"),
+        token_ids=blk.token_ids.at[dst].set(blk.token_ids[rc], mode="drop"),
+        block_hash=blk.block_hash.at[dst].set(blk.block_hash[rc], mode="drop"),
+        hashed=blk.hashed.at[dst].set(full & (dst_pool == 0), mode="drop"),
+        block_salt=blk.block_salt.at[dst].set(blk.block_salt[rc], mode="drop"),
+        parent=blk.parent.at[relink].set(prev_new, mode="drop"),
+        parent_gen=blk.parent_gen.at[relink].set(
+            jnp.where(prev_new >= 0, blk.generation[clip(prev_new)], 0), mode="drop"),
+        free_count=s.free.free_count.at[dst_pool].add(-n_moved),
+        block_tables=s.seqs.block_tables.at[oob(seq_ids, valid, ns)].set(new, mode="drop"),
+        seq_status=s.seqs.seq_status.at[oob(seq_ids, valid, ns)].set(jnp.int8(status),
+                                                                      mode="drop"),
+        charged_blocks=s.tenants.charged_blocks.at[oob(ten, valid, ntn), dst_pool].add(
+            per_seq, mode="drop"),
+    )
+    state = state.replace(pages=_move_pages(config, s.pages, rows, new, move, src_pool, dst_pool))
+    state, rep = settle(config, state, jnp.where(move, rows, INVALID).ravel(), None)
+    used = config.pool_sizes[config.host_pool] - state.free.free_count[config.host_pool]
+    report = MoveReport(
+        moved_blocks=per_seq,
+        blocks_returned=rep["blocks_returned"],
+        quota_units_released=rep["quota_units_released"],
+        host_blocks_used=used.astype(jnp.int32),
+        src_pool=src_pool,
+        dst_pool=dst_pool,
+        pool_bytes=config.pool_bytes,
+        unit_bytes=config.unit_bytes,
+        host_blocks=config.host_blocks,
+        host_watermark=config.host_watermark,
+        host_bandwidth=config.host_bandwidth,
+    )
+    return state, report
+
+
+def offload(config: StateConfig, state: KVState, seq_ids):
+    """Offload the own device blocks of running sequences to the host pool (SUSPENDED)."""
+    return move_sequences(config, state, seq_ids, 0, config.host_pool, SEQ_SUSPENDED)
+
+
+def restore(config: StateConfig, state: KVState, seq_ids):
+    """Bring suspended sequences' host blocks back into pool 0, bit-exact (RUNNING)."""
+    return move_sequences(config, state, seq_ids, config.host_pool, 0, SEQ_RUNNING)
