@@ -41,6 +41,7 @@ from kvquota.state import (
 from kvquota.reports import (
     AdmitReport,
     AppendReport,
+    CompressReport,
     ForkReport,
     FreeReport,
     Ledger,
@@ -59,6 +60,7 @@ from kvquota.errors import (
     FormatSpecError,
     InputDtypeError,
     InputShapeError,
+    InvalidArgumentError,
     InvariantError,
     KVQuotaError,
     PoolFullError,

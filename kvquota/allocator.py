@@ -22,7 +22,6 @@ import numpy as np
 
 from kvquota import core
 from kvquota.reports import (
-    MoveReport,
     AdmitReport,
     AppendReport,
     ForkReport,
@@ -37,11 +36,8 @@ from kvquota.errors import (
     DuplicateIdError,
     InputDtypeError,
     InputShapeError,
-    PoolFullError,
-    QuotaExceededError,
     QuotaValueError,
     SequenceTooLongError,
-    TierError,
     TenantExistsError,
     TokenIdError,
     UnknownSequenceError,
@@ -52,10 +48,11 @@ from kvquota.sentinel import INVALID
 from kvquota.codes import INT32_MAX, SEQ_RUNNING, SEQ_SUSPENDED, STATUS_NAMES
 from kvquota.hashing import group_salt, private_salt
 from kvquota.state import KVState, StateConfig, init_state, validate_state
+from kvquota.tiering import TierOps
 from kvquota.validation import bucket, int_array, int_scalar, pad
 
 
-class Allocator:
+class Allocator(TierOps):
     """Validating facade of the paged KV state for one static `StateConfig`."""
 
     def __init__(self, config: StateConfig):
@@ -360,62 +357,3 @@ class Allocator:
         t, rows, heirs, slots = self.release_plan(state, tenant, unpin)
         return core.run("drop", self.config, state, rows, heirs, np.int32(t) if slots else None,
                         slots, donate=donate)
-
-    # ---- tiers: offload / restore ----------------------------------------------------------
-    def _moves(self, state, seq_ids, what, allowed):
-        """The real ids of `seq_ids` and the validated input rows (reports follow input rows)."""
-        if self.config.host_pool is None:
-            raise TierError(f"{what}: this config has no host pool (host_blocks=0)")
-        ids = int_array("seq_ids", seq_ids, 1)
-        if ids.size == 0:
-            raise InputShapeError("seq_ids must have at least one row")
-        real = self._running(state, ids, what, allowed=allowed)
-        if len(np.unique(real)) != len(real):
-            raise DuplicateIdError(f"{what}: a sequence appears twice in one call")
-        return real, ids
-
-    def _own_blocks(self, state, real, pool):
-        """Own blocks (ref 1, unpinned, paid by the sequence's tenant) of each real row in
-        `pool`: the blocks a lossless move takes (the same rule as the core's)."""
-        c = self.config
-        tables = np.asarray(state.seqs.block_tables)[real]
-        ten = np.asarray(state.seqs.seq_tenant)[real]
-        ids = np.maximum(tables, 0)
-        ref, pin, payer = jax.device_get(tuple(
-            a[ids] for a in (state.blocks.ref_count, state.blocks.pin_count, state.blocks.payer)))
-        pools = np.searchsorted(np.asarray(c.pool_starts), ids, side="right") - 1
-        return ((tables >= 0) & (pools == pool) & (ref == 1) & (pin == 0)
-                & (payer == ten[:, None])).sum(axis=1), ten
-
-    def offload(self, state, seq_ids, *, donate=False) -> tuple[KVState, MoveReport]:
-        """Move running sequences' own device blocks to the host pool; they become SUSPENDED
-        (not decodable until restored). Shared and pinned blocks stay on the device."""
-        self._check_state(state)
-        c = self.config
-        real, rows = self._moves(state, seq_ids, "offload", (SEQ_RUNNING,))
-        need = int(self._own_blocks(state, real, 0)[0].sum())
-        room = int(np.asarray(state.free.free_count)[c.host_pool])
-        if need > room:
-            raise PoolFullError(f"offload: {need} blocks to move, the host pool has {room} free")
-        return core.run("offload", c, state, rows, donate=donate)
-
-    def restore(self, state, seq_ids, *, donate=False) -> tuple[KVState, MoveReport]:
-        """Bring suspended sequences' host blocks back to pool 0, bit-exact; RUNNING again.
-        Needs room in pool 0 and room under each tenant's byte quota for the restored blocks."""
-        self._check_state(state)
-        c = self.config
-        real, rows = self._moves(state, seq_ids, "restore", (SEQ_SUSPENDED,))
-        per_row, ten = self._own_blocks(state, real, c.host_pool)
-        room = int(np.asarray(state.free.free_count)[0])
-        if int(per_row.sum()) > room:
-            raise PoolFullError(f"restore: {int(per_row.sum())} blocks to bring back, pool 0 has "
-                                f"{room} free")
-        charged = np.asarray(state.tenants.charged_blocks)[:, 0].astype(np.int64)
-        quota = np.asarray(state.tenants.byte_quota).astype(np.int64)
-        for t in np.unique(ten):
-            after = (charged[t] + per_row[ten == t].sum()) * c.pool_units[0]
-            if after > quota[t]:
-                raise QuotaExceededError(
-                    f"restore: tenant {int(t)} would hold {after * c.unit_bytes} B of device "
-                    f"blocks, over its byte quota of {int(quota[t]) * c.unit_bytes} B")
-        return core.run("restore", c, state, rows, donate=donate)

@@ -12,9 +12,9 @@ __all__ = [
     "StateMismatchError", "InputShapeError", "InputDtypeError", "UnknownTenantError",
     "TenantExistsError", "QuotaValueError", "UnknownSequenceError", "DoubleFreeError",
     "DuplicateIdError", "SequenceTooLongError", "TokenIdError", "BlockStateError",
-    "PoolFullError", "QuotaExceededError", "TierError", "InvariantError", "ContextTooLongError",
-    "TokenizerError", "WeightsError", "WeightsNotFoundError", "UnsupportedArchitectureError",
-    "ConfigMismatchError",
+    "PoolFullError", "QuotaExceededError", "TierError", "InvalidArgumentError",
+    "InvariantError", "ContextTooLongError", "TokenizerError", "WeightsError",
+    "WeightsNotFoundError", "UnsupportedArchitectureError", "ConfigMismatchError",
 ]
 
 
@@ -78,6 +78,10 @@ class QuotaExceededError(KVQuotaError):
 
 class TierError(KVQuotaError):
     """The config lacks the pool an operation needs (no host pool, no pool of that format)."""
+
+
+class InvalidArgumentError(KVQuotaError):
+    """An option of an operation is outside its range (keep_recent < 0, an unknown policy)."""
 
 
 class InvariantError(KVQuotaError):

@@ -157,6 +157,36 @@ class MoveReport:
         return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
 
 
+@struct.dataclass
+class CompressReport:
+    """What a compression did: pool-0 bytes freed, compressed bytes now charged, the net device
+    bytes returned. Always lossy: the compressed blocks' K/V are approximations from now on."""
+
+    compressed_blocks: jax.Array  # i32[B]  blocks requantized per sequence
+    blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
+    quota_units_released: jax.Array  # i32[T]  pool-0 charges dropped per tenant, in byte units
+    pool: int = struct.field(pytree_node=False, default=1)  # the compressed pool written
+    pool_bytes: tuple = struct.field(pytree_node=False, default=())
+    unit_bytes: int = struct.field(pytree_node=False, default=1)
+    lossy: bool = struct.field(pytree_node=False, default=True)
+
+    @property
+    def blocks_compressed(self) -> int:
+        return int(np.asarray(self.compressed_blocks).sum())
+
+    @property
+    def pool0_bytes_freed(self) -> int:
+        return int(np.asarray(self.blocks_returned)[0]) * self.pool_bytes[0]
+
+    @property
+    def compressed_bytes_charged(self) -> int:
+        return self.blocks_compressed * self.pool_bytes[self.pool]
+
+    @property
+    def net_device_bytes_returned(self) -> int:
+        return self.pool0_bytes_freed - self.compressed_bytes_charged
+
+
 def host_alarm(used_blocks: int, host_blocks: int, watermark: float) -> bool:
     """The host pool's watermark alarm: held blocks at or above `watermark` of its capacity."""
     return host_blocks > 0 and used_blocks >= watermark * host_blocks

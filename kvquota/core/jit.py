@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from kvquota.core import admission, pins, release, tenants, tiers
+from kvquota.core import admission, compress, pins, release, tenants, tiers
 
 # name -> (core, static argument positions besides the config at 0)
 _CORES = {
@@ -25,6 +25,7 @@ _CORES = {
     "set_tenant": (tenants.set_tenant, ()),
     "offload": (tiers.offload, ()),
     "restore": (tiers.restore, ()),
+    "compress": (compress.compress, (6,)),  # the target pool fixes its page layout
 }
 
 
@@ -37,7 +38,12 @@ def _variants(fn, extra_static):
 
 
 _TABLE = {name: _variants(fn, extra) for name, (fn, extra) in _CORES.items()}
-ledger = jax.jit(tenants.ledger, static_argnums=(0,))  # reads only: nothing to donate
+# Read-only queries (nothing to donate): the ledger view and the facade's room checks, which
+# count with the very rule the core applies.
+ledger = jax.jit(tenants.ledger, static_argnums=(0,))
+compress_count = jax.jit(compress.count, static_argnums=(0,))
+own_count = jax.jit(lambda config, state, seq_ids, pool: tiers.own_blocks(
+    config, state, *tiers.seq_rows(state, seq_ids), pool).sum(axis=1), static_argnums=(0, 3))
 
 
 def run(name: str, config, state, *args, donate: bool = False):

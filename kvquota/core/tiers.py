@@ -53,54 +53,83 @@ def _move_pages(config, pages, src_ids, dst_ids, mask, src_pool, dst_pool):
     return tuple(dst if p == dst_pool else pp for p, pp in enumerate(pages))
 
 
-def move_sequences(config: StateConfig, state: KVState, seq_ids, src_pool: int, dst_pool: int,
-                   status: int):
-    """Move the own blocks of `seq_ids` (i32[B], unique, INVALID = padding) that sit in
-    `src_pool` to `dst_pool` and set the sequences' status. The facade checked room and quota."""
-    p, nb, ns, ntn = config.block_size, config.total_blocks, config.max_seqs, config.num_tenants
-    b, mb = seq_ids.shape[0], config.max_blocks_per_seq
+def seq_rows(state: KVState, seq_ids):
+    """(table rows i32[B, MB], tenant column i32[B, MB]) of `seq_ids`, INVALID for padding."""
     valid = seq_ids >= 0
     sc = clip(seq_ids)
-    rows = jnp.where(valid[:, None], state.seqs.block_tables[sc], INVALID)  # [B, MB]
+    rows = jnp.where(valid[:, None], state.seqs.block_tables[sc], INVALID)
     ten = jnp.where(valid, state.seqs.seq_tenant[sc], INVALID)
-    tcol = jnp.broadcast_to(ten[:, None], (b, mb))
+    return rows, jnp.broadcast_to(ten[:, None], rows.shape)
+
+
+def own_blocks(config: StateConfig, state: KVState, rows, tcol, pool: int):
+    """bool[B, MB]: entries that are the sequence's own blocks (only it references them, not
+    pinned, paid by its tenant) and sit in `pool`."""
     rc = clip(rows)
     blk = state.blocks
-    move = ((rows >= 0) & (pool_of(config, rc) == src_pool) & (blk.ref_count[rc] == 1)
+    return ((rows >= 0) & (pool_of(config, rc) == pool) & (blk.ref_count[rc] == 1)
             & (blk.pin_count[rc] == 0) & (blk.payer[rc] == tcol))
+
+
+def relocate(config: StateConfig, state: KVState, seq_ids, move, src_pool: int, dst_pool: int,
+             new_pages):
+    """Give the entries `move` (bool[B, MB], own blocks of `seq_ids` in src_pool) new blocks
+    popped from dst_pool: metadata copied, prefix chain relinked, table rewritten, charges moved,
+    the old blocks freed by `settle`. `new_pages(pages, old_ids, new_ids, mask)` writes the moved
+    blocks' pages into dst_pool (a copy, or a requantization). Returns (state, blocks moved per
+    sequence i32[B], settle's figures)."""
+    p, nb, ns, ntn = config.block_size, config.total_blocks, config.max_seqs, config.num_tenants
+    b, mb = move.shape
+    rows, tcol = seq_rows(state, seq_ids)
+    rc = clip(rows)
+    blk = state.blocks
     new_flat, n_moved = pop_blocks(config, state, move.ravel(), dst_pool)
     new = jnp.where(move, new_flat.reshape(b, mb), rows)  # the table after the move
     prev_new = jnp.pad(new[:, :-1], ((0, 0), (1, 0)), constant_values=INVALID)
     prev_moved = jnp.pad(move[:, :-1], ((0, 0), (1, 0)))
     relink = oob(new, (rows >= 0) & (move | prev_moved), nb)
-    dst = oob(new, move, nb)
-    full = blk.fill[rc] == p
+    dst, old = oob(new, move, nb), oob(rows, move, nb)
     per_seq = move.sum(axis=1).astype(jnp.int32)
-
+    valid = seq_ids >= 0
+    ten = tcol[:, 0]
     s = state
     state = s.update(
-        ref_count=blk.ref_count.at[dst].set(1, mode="drop").at[oob(rows, move, nb)].set(
-            0, mode="drop"),
-        payer_refs=blk.payer_refs.at[dst].set(1, mode="drop").at[oob(rows, move, nb)].set(
-            0, mode="drop"),
+        ref_count=blk.ref_count.at[dst].set(1, mode="drop").at[old].set(0, mode="drop"),
+        payer_refs=blk.payer_refs.at[dst].set(1, mode="drop").at[old].set(0, mode="drop"),
         payer=blk.payer.at[dst].set(tcol, mode="drop"),
         fill=blk.fill.at[dst].set(blk.fill[rc], mode="drop"),
         token_ids=blk.token_ids.at[dst].set(blk.token_ids[rc], mode="drop"),
         block_hash=blk.block_hash.at[dst].set(blk.block_hash[rc], mode="drop"),
-        hashed=blk.hashed.at[dst].set(full & (dst_pool == 0), mode="drop"),
+        # Only exact full-precision device blocks are lookup targets.
+        hashed=blk.hashed.at[dst].set((blk.fill[rc] == p) & (dst_pool == 0), mode="drop"),
         block_salt=blk.block_salt.at[dst].set(blk.block_salt[rc], mode="drop"),
         parent=blk.parent.at[relink].set(prev_new, mode="drop"),
         parent_gen=blk.parent_gen.at[relink].set(
             jnp.where(prev_new >= 0, blk.generation[clip(prev_new)], 0), mode="drop"),
         free_count=s.free.free_count.at[dst_pool].add(-n_moved),
         block_tables=s.seqs.block_tables.at[oob(seq_ids, valid, ns)].set(new, mode="drop"),
-        seq_status=s.seqs.seq_status.at[oob(seq_ids, valid, ns)].set(jnp.int8(status),
-                                                                      mode="drop"),
         charged_blocks=s.tenants.charged_blocks.at[oob(ten, valid, ntn), dst_pool].add(
             per_seq, mode="drop"),
     )
-    state = state.replace(pages=_move_pages(config, s.pages, rows, new, move, src_pool, dst_pool))
+    if s.pages:
+        state = state.replace(pages=new_pages(s.pages, rows, new, move))
     state, rep = settle(config, state, jnp.where(move, rows, INVALID).ravel(), None)
+    return state, per_seq, rep
+
+
+def move_sequences(config: StateConfig, state: KVState, seq_ids, src_pool: int, dst_pool: int,
+                   status: int):
+    """Move the own blocks of `seq_ids` (i32[B], unique, INVALID = padding) that sit in
+    `src_pool` to `dst_pool`, bit-exact, and set the sequences' status. The facade checked
+    room and quota."""
+    rows, tcol = seq_rows(state, seq_ids)
+    move = own_blocks(config, state, rows, tcol, src_pool)
+    copy = lambda pages, old, new, mask: _move_pages(  # noqa: E731
+        config, pages, old, new, mask, src_pool, dst_pool)
+    state, per_seq, rep = relocate(config, state, seq_ids, move, src_pool, dst_pool, copy)
+    valid = seq_ids >= 0
+    state = state.update(seq_status=state.seqs.seq_status.at[
+        oob(seq_ids, valid, config.max_seqs)].set(jnp.int8(status), mode="drop"))
     used = config.pool_sizes[config.host_pool] - state.free.free_count[config.host_pool]
     report = MoveReport(
         moved_blocks=per_seq,

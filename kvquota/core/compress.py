@@ -1,0 +1,78 @@
+"""Compression: requantize a sequence's cold full blocks from pool 0 into a compressed pool.
+
+Lossy and irreversible: a compressed block never returns to pool 0, and it is no longer a
+prefix-cache target (only exact full-precision blocks are). Which blocks: the sequence's own
+(only it references them, unpinned, paid by its tenant), full, outside the `keep_recent` most
+recent tokens (KIVI's full-precision residual window; the partial tail block is never full),
+lowest score first, at most `limit` per sequence. Scores come from the caller's policy (block
+index for "oldest first"; accumulated attention mass for "coldest first").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels.quantization import quantize_pages
+from kvquota.core.scatter import clip, oob
+from kvquota.core.tiers import own_blocks, relocate, seq_rows
+from kvquota.reports import CompressReport
+from kvquota.state import KVState, StateConfig
+
+
+def select(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent):
+    """bool[B, MB]: the blocks compress takes. scores f32[B, MB] (lowest first), limit i32[B],
+    keep_recent i32[] (tokens at the end of each sequence that stay in full precision)."""
+    p, mb = config.block_size, config.max_blocks_per_seq
+    rows, tcol = seq_rows(state, seq_ids)
+    lens = jnp.where(seq_ids >= 0, state.seqs.seq_lens[clip(seq_ids)], 0)
+    k = jnp.arange(mb, dtype=jnp.int32)[None, :]
+    cold = (k + 1) * p <= lens[:, None] - keep_recent
+    full = state.blocks.fill[clip(rows)] == p
+    eligible = own_blocks(config, state, rows, tcol, 0) & full & cold
+    order = jnp.argsort(jnp.where(eligible, scores, jnp.inf), axis=1, stable=True)
+    rank = jnp.argsort(order, axis=1, stable=True)  # position of each entry in the order
+    return eligible & (rank < limit[:, None])
+
+
+def count(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent):
+    """i32[]: blocks `select` takes (the facade's room check, by the very same rule)."""
+    return select(config, state, seq_ids, scores, limit, keep_recent).sum().astype(jnp.int32)
+
+
+def _requantize(config: StateConfig, pool: int):
+    """Page writer for `relocate`: quantize the moved pool-0 pages into `pool`'s format."""
+    fmt = config.pool_formats[pool]
+    start, size = config.pool_starts[pool], config.pool_sizes[pool]
+
+    def write(pages, old, new, mask):
+        src = clip(jnp.where(mask, old, 0)).ravel()  # pool-0 ids are page indices
+        dst = oob(new - start, mask, size).ravel()
+        out = []
+        for which in ("k", "v"):
+            x = getattr(pages[0], which)[:, :, src]  # [L, Hkv, B*MB, P, D]
+            role = "key" if which == "k" else "value"
+            q = jax.vmap(lambda xl, r=role: quantize_pages(xl, fmt, r))(x)
+            out.append(jax.tree.map(lambda a, m: a.at[:, :, dst].set(m, mode="drop"),
+                                    getattr(pages[pool], which), q))
+        new_pool = pages[pool].replace(k=out[0], v=out[1])
+        return tuple(new_pool if i == pool else pp for i, pp in enumerate(pages))
+
+    return write
+
+
+def compress(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent, pool):
+    """Compress the selected blocks of `seq_ids` (i32[B], unique, INVALID = padding) into
+    compressed pool `pool` (static). The facade checked that the pool has room."""
+    move = select(config, state, seq_ids, scores, limit, keep_recent)
+    state, per_seq, rep = relocate(config, state, seq_ids, move, 0, pool,
+                                   _requantize(config, pool))
+    report = CompressReport(
+        compressed_blocks=per_seq,
+        blocks_returned=rep["blocks_returned"],
+        quota_units_released=rep["quota_units_released"],
+        pool=pool,
+        pool_bytes=config.pool_bytes,
+        unit_bytes=config.unit_bytes,
+    )
+    return state, report

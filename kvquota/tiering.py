@@ -1,0 +1,128 @@
+"""The tier operations of the facade: lossless moves (offload, restore) and compression.
+
+A mixin of `kvquota.allocator.Allocator` (one facade; this file keeps the tier concept apart). Same
+contract as every facade method: inputs and room are checked on the host, then one hand-off to
+`kvquota.core.run` with `donate`; on error the state is untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from kvquota import core
+from kvquota.codes import SEQ_RUNNING, SEQ_SUSPENDED
+from kvquota.errors import (
+    DuplicateIdError,
+    InputShapeError,
+    InvalidArgumentError,
+    PoolFullError,
+    QuotaExceededError,
+    TierError,
+)
+from kvquota.reports import CompressReport, MoveReport
+from kvquota.state import KVState
+from kvquota.validation import int_array, int_scalar
+
+COMPRESS_ORDERS = ("oldest",)  # which eligible blocks go first; mass-based orders come with the
+# attention statistics
+
+
+class TierOps:
+    """offload / restore / compress; `self.config`, `_check_state` and `_running` come from the
+    Allocator."""
+
+    def _moves(self, state, seq_ids, what, allowed):
+        """The real ids of `seq_ids` and the validated input rows (reports follow input rows)."""
+        if self.config.host_pool is None:
+            raise TierError(f"{what}: this config has no host pool (host_blocks=0)")
+        ids = int_array("seq_ids", seq_ids, 1)
+        if ids.size == 0:
+            raise InputShapeError("seq_ids must have at least one row")
+        real = self._running(state, ids, what, allowed=allowed)
+        if len(np.unique(real)) != len(real):
+            raise DuplicateIdError(f"{what}: a sequence appears twice in one call")
+        return real, ids
+
+    def _own_blocks(self, state, real, pool):
+        """Own blocks (ref 1, unpinned, paid by the sequence's tenant) of each real row in
+        `pool` — counted by the core's own rule — and each row's tenant."""
+        counts = np.asarray(core.own_count(self.config, state, real.astype(np.int32), pool))
+        return counts, np.asarray(state.seqs.seq_tenant)[real]
+
+    def offload(self, state, seq_ids, *, donate=False) -> tuple[KVState, MoveReport]:
+        """Move running sequences' own device blocks to the host pool; they become SUSPENDED
+        (not decodable until restored). Shared and pinned blocks stay on the device."""
+        self._check_state(state)
+        c = self.config
+        real, rows = self._moves(state, seq_ids, "offload", (SEQ_RUNNING,))
+        need = int(self._own_blocks(state, real, 0)[0].sum())
+        room = int(np.asarray(state.free.free_count)[c.host_pool])
+        if need > room:
+            raise PoolFullError(f"offload: {need} blocks to move, the host pool has {room} free")
+        return core.run("offload", c, state, rows, donate=donate)
+
+    def restore(self, state, seq_ids, *, donate=False) -> tuple[KVState, MoveReport]:
+        """Bring suspended sequences' host blocks back to pool 0, bit-exact; RUNNING again.
+        Needs room in pool 0 and room under each tenant's byte quota for the restored blocks."""
+        self._check_state(state)
+        c = self.config
+        real, rows = self._moves(state, seq_ids, "restore", (SEQ_SUSPENDED,))
+        per_row, ten = self._own_blocks(state, real, c.host_pool)
+        room = int(np.asarray(state.free.free_count)[0])
+        if int(per_row.sum()) > room:
+            raise PoolFullError(f"restore: {int(per_row.sum())} blocks to bring back, pool 0 has "
+                                f"{room} free")
+        charged = np.asarray(state.tenants.charged_blocks)[:, 0].astype(np.int64)
+        quota = np.asarray(state.tenants.byte_quota).astype(np.int64)
+        for t in np.unique(ten):
+            after = (charged[t] + per_row[ten == t].sum()) * c.pool_units[0]
+            if after > quota[t]:
+                raise QuotaExceededError(
+                    f"restore: tenant {int(t)} would hold {after * c.unit_bytes} B of device "
+                    f"blocks, over its byte quota of {int(quota[t]) * c.unit_bytes} B")
+        return core.run("restore", c, state, rows, donate=donate)
+
+    def compress(self, state, seq_ids, *, kv_format: str, keep_recent: int = 32,
+                 policy: str = "oldest", max_blocks: Optional[int] = None,
+                 donate=False) -> tuple[KVState, CompressReport]:
+        """Requantize running sequences' own full blocks outside the `keep_recent` most recent
+        tokens from pool 0 into the compressed pool of `kv_format` (lossy, irreversible), at most
+        `max_blocks` per sequence (None: all eligible), in the policy's order. Shared and pinned
+        blocks are never rewritten."""
+        self._check_state(state)
+        c = self.config
+        names = [name for name, _ in c.compressed_pools]
+        if kv_format not in names:
+            raise TierError(f"compress: no compressed pool of format {kv_format!r} in this "
+                            f"config (compressed pools: {names or 'none'})")
+        pool = 1 + names.index(kv_format)
+        keep = int_scalar("keep_recent", keep_recent, InvalidArgumentError)
+        if keep < 0:
+            raise InvalidArgumentError(f"keep_recent must be >= 0, got {keep}")
+        if policy not in COMPRESS_ORDERS:
+            raise InvalidArgumentError(f"unknown compress policy {policy!r}; known: "
+                                       f"{', '.join(COMPRESS_ORDERS)}")
+        limit = c.max_blocks_per_seq if max_blocks is None else int_scalar(
+            "max_blocks", max_blocks, InvalidArgumentError)
+        if limit < 0:
+            raise InvalidArgumentError(f"max_blocks must be >= 0, got {limit}")
+        ids = int_array("seq_ids", seq_ids, 1)
+        if ids.size == 0:
+            raise InputShapeError("seq_ids must have at least one row")
+        real = self._running(state, ids, "compress")
+        if len(np.unique(real)) != len(real):
+            raise DuplicateIdError("compress: a sequence appears twice in one call")
+        # "oldest": the block index is the score (lowest compressed first).
+        scores = np.broadcast_to(np.arange(c.max_blocks_per_seq, dtype=np.float32),
+                                 (ids.size, c.max_blocks_per_seq))
+        limits = np.full(ids.size, limit, np.int32)
+        args = (ids, scores, limits, np.int32(keep))
+        need = int(core.compress_count(c, state, *args))
+        room = int(np.asarray(state.free.free_count)[pool])
+        if need > room:
+            raise PoolFullError(f"compress: {need} blocks to compress, the {kv_format} pool has "
+                                f"{room} free")
+        return core.run("compress", c, state, *args, pool, donate=donate)
+
