@@ -5,7 +5,8 @@
 #   1. the GPU attention benchmark (copy bandwidth, our kernel, the JAX peer kernel, int8 pages);
 #   2. the int8 (and KIVI) kernel output against the reference, lowered on the GPU, at a
 #      Qwen2.5-7B-like shape with NaN in every unused slot -> int8_check.json;
-#   3. a narrowed kernel test selection, lowered through Triton (tests interpret only off GPU);
+#   3. a narrowed kernel test selection, lowered through Triton (tests interpret only off GPU),
+#      then the CUDA lowering tests with the GPU hidden (jax 0.11's deviceless route);
 #   4. the benchmark's knob sweep, only with the time left.
 # Everything lands in $OUT; status.txt has one "step rc seconds" line per step, as it goes.
 #
@@ -133,6 +134,11 @@ step tests 130 40 tests_kernels.log \
   "$PY" -m pytest -q -p no:cacheprovider --durations=10 -m "not slow" \
   tests/kernels/test_pallas.py tests/kernels/test_peer.py tests/kernels/test_gpu_lowering.py
 
+# 3b. jax 0.11 without a GPU (JAX_PLATFORMS=cpu hides it): lowering for CUDA must take the
+# abstract-device route of tests/kernels/test_gpu_lowering.py (passes, or skips with the reason).
+step lowering_no_gpu 40 15 tests_lowering_no_gpu.log \
+  env JAX_PLATFORMS=cpu "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_gpu_lowering.py
+
 # 4. Knob sweep (pages_per_block x k_splits x num_warps), only with the time left.
 step bench_sweep 60 30 bench_attention_gpu_sweep.log \
   "$PY" -m experiments.bench_attention --json --skip_cpu --gpu_sweep --repeats 10 \
@@ -143,4 +149,5 @@ cat "$OUT/env.txt"
 tail -n 3 "$OUT/bench_attention_gpu.log" 2>/dev/null
 tail -n 4 "$OUT/int8_check.log" 2>/dev/null
 tail -n 5 "$OUT/tests_kernels.log" 2>/dev/null
+tail -n 3 "$OUT/tests_lowering_no_gpu.log" 2>/dev/null
 exit 0
