@@ -357,3 +357,22 @@ class Allocator(TierOps):
         t, rows, heirs, slots = self.release_plan(state, tenant, unpin)
         return core.run("drop", self.config, state, rows, heirs, np.int32(t) if slots else None,
                         slots, donate=donate)
+
+    # ---- attention statistics --------------------------------------------------------------
+    def record_attention(self, state, seq_ids, mass, *, donate=False) -> tuple[KVState, None]:
+        """Accumulate the attention mass each cached token received (the kernels' `mass`
+        output: f32[B, C], column i = cache index i, summed over layers and KV heads) into the
+        state, where compression and eviction policies read it."""
+        self._check_state(state)
+        ids = int_array("seq_ids", seq_ids, 1)
+        m = np.asarray(mass)
+        if m.ndim != 2 or m.shape[0] != ids.shape[0] or m.shape[1] > self.config.max_tokens_per_seq:
+            raise InputShapeError(f"mass must be [B={ids.shape[0]}, C <= "
+                                  f"{self.config.max_tokens_per_seq}], got {m.shape}")
+        if not np.issubdtype(m.dtype, np.floating) or not (np.isfinite(m) & (m >= 0)).all():
+            raise InputDtypeError("mass must be finite, non-negative floats")
+        real = self._running(state, ids, "record_attention")
+        if len(np.unique(real)) != len(real):
+            raise DuplicateIdError("record_attention: a sequence appears twice in one call")
+        return core.run("record_mass", self.config, state, ids, m.astype(np.float32),
+                        donate=donate)

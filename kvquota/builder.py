@@ -162,6 +162,7 @@ def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
         tier=base.blocks.tier, precision=base.blocks.precision, fill=fill, token_ids=token_ids,
         block_hash=block_h, hashed=hashed, block_salt=block_salt, parent=parent,
         parent_gen=np.zeros(nb, np.int32), generation=np.zeros(nb, np.int32),
+        attn_mass=np.zeros((nb, p), np.float32),
         free_list=free_list, free_count=free_count, block_tables=tables, seq_lens=seq_lens,
         positions=seq_lens.copy(), seq_tenant=seq_tenant, seq_status=status,
         registered=np.ones(ntn, bool), token_quota=np.full(ntn, INT32_MAX, np.int32),

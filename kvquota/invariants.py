@@ -169,6 +169,10 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     _flag(problems, "free block with chain data",
           free & ((st.blocks.parent != INVALID) | (st.blocks.parent_gen != 0) | (st.blocks.block_salt != 0)))
     _flag(problems, "negative generation", st.blocks.generation < 0)
+    _flag(problems, "free block with attention mass", free & (st.blocks.attn_mass != 0).any(1))
+    _flag(problems, "attention mass past a block's fill or negative",
+          ((np.arange(p)[None, :] >= st.blocks.fill[:, None]) & (st.blocks.attn_mass != 0)).any(1)
+          | (st.blocks.attn_mass < 0).any(1) | ~np.isfinite(st.blocks.attn_mass).all(1))
     if check_pages and config.scrub_on_free:
         for pool, pages in enumerate(st.pages):
             dirty = np.zeros(config.pool_sizes[pool], bool)

@@ -233,6 +233,9 @@ class Blocks:
     parent: jax.Array  # i32[NB]  previous block of its chain at creation; INVALID for the first
     parent_gen: jax.Array  # i32[NB]  `generation` of `parent` when this block was created
     generation: jax.Array  # i32[NB]  bumped each time the block is freed (detects stale parents)
+    attn_mass: jax.Array  # f32[NB, P]  attention each cached token received, accumulated over
+    #                      decode steps (summed over layers and KV heads, each the mean over the
+    #                      query heads of its group); 0 past `fill`, reset when freed or rewritten
 
 
 @struct.dataclass
@@ -344,6 +347,7 @@ def init_state(config: StateConfig) -> KVState:
         parent=i32((nb,), INVALID),
         parent_gen=i32((nb,)),
         generation=i32((nb,)),
+        attn_mass=np.zeros((nb, p), np.float32),
         free_list=free_list,
         free_count=np.array(config.pool_sizes, np.int32),
         block_tables=i32((s, mb), INVALID),

@@ -140,6 +140,7 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         payer=s.blocks.payer.at[after(new_ids, hit_own)].set(tcol, mode="drop"),
         fill=s.blocks.fill.at[new_ids].set(fill, mode="drop"),
         token_ids=s.blocks.token_ids.at[new_ids].set(blocks_mb, mode="drop"),
+        attn_mass=s.blocks.attn_mass.at[new_ids].set(0.0, mode="drop"),
         block_hash=s.blocks.block_hash.at[new_ids].set(
             jnp.where(full[..., None], hashes_mb, jnp.uint32(0)), mode="drop"),
         hashed=s.blocks.hashed.at[new_ids].set(full, mode="drop"),
@@ -208,6 +209,7 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
     rows = oob(sc, ok, ns)
     state = s.update(
         token_ids=token_ids,
+        attn_mass=s.blocks.attn_mass.at[ai].set(0.0, mode="drop"),
         fill=s.blocks.fill.at[bi].add(1, mode="drop"),
         block_hash=s.blocks.block_hash.at[after(fi, prev_hash)].set(h, mode="drop"),
         hashed=s.blocks.hashed.at[fi].set(True, mode="drop"),
@@ -275,6 +277,7 @@ def fork(config: StateConfig, state: KVState, seq_ids):
         payer=s.blocks.payer.at[after(ai, own)].set(t, mode="drop"),
         fill=s.blocks.fill.at[ai].set(s.blocks.fill[oc], mode="drop"),
         token_ids=s.blocks.token_ids.at[ai].set(s.blocks.token_ids[oc], mode="drop"),
+        attn_mass=s.blocks.attn_mass.at[ai].set(s.blocks.attn_mass[oc], mode="drop"),
         block_salt=s.blocks.block_salt.at[ai].set(s.blocks.block_salt[oc], mode="drop"),
         parent=s.blocks.parent.at[ai].set(s.blocks.parent[oc], mode="drop"),
         parent_gen=s.blocks.parent_gen.at[ai].set(s.blocks.parent_gen[oc], mode="drop"),

@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from kvquota.core import admission, compress, pins, release, tenants, tiers
+from kvquota.core import admission, compress, pins, release, statistics, tenants, tiers
 
 # name -> (core, static argument positions besides the config at 0)
 _CORES = {
@@ -25,6 +25,7 @@ _CORES = {
     "set_tenant": (tenants.set_tenant, ()),
     "offload": (tiers.offload, ()),
     "restore": (tiers.restore, ()),
+    "record_mass": (statistics.record_mass, ()),
     "compress": (compress.compress, (6,)),  # the target pool fixes its page layout
 }
 

@@ -104,6 +104,7 @@ def settle(config, state, touched, heirs, reads=()):
         parent=s.blocks.parent.at[fi].set(INVALID, mode="drop"),
         parent_gen=s.blocks.parent_gen.at[fi].set(0, mode="drop"),
         generation=s.blocks.generation.at[fi].add(1, mode="drop"),
+        attn_mass=s.blocks.attn_mass.at[fi].set(0.0, mode="drop"),
         free_list=s.free.free_list.at[push_at].set(b, mode="drop"),
         free_count=s.free.free_count + returned,
         charged_blocks=charged,

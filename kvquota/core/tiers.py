@@ -99,6 +99,7 @@ def relocate(config: StateConfig, state: KVState, seq_ids, move, src_pool: int, 
         payer=blk.payer.at[dst].set(tcol, mode="drop"),
         fill=blk.fill.at[dst].set(blk.fill[rc], mode="drop"),
         token_ids=blk.token_ids.at[dst].set(blk.token_ids[rc], mode="drop"),
+        attn_mass=blk.attn_mass.at[dst].set(blk.attn_mass[rc], mode="drop"),
         block_hash=blk.block_hash.at[dst].set(blk.block_hash[rc], mode="drop"),
         # Only exact full-precision device blocks are lookup targets.
         hashed=blk.hashed.at[dst].set((blk.fill[rc] == p) & (dst_pool == 0), mode="drop"),
