@@ -25,8 +25,9 @@ from kvquota.reports import CompressReport, MoveReport
 from kvquota.state import KVState
 from kvquota.validation import int_array, int_scalar
 
-COMPRESS_ORDERS = ("oldest",)  # which eligible blocks go first; mass-based orders come with the
-# attention statistics
+# Which eligible blocks are compressed first: "oldest" (lowest block index) or "coldest" (lowest
+# accumulated attention mass, `blocks.attn_mass`, as H2O scores tokens).
+COMPRESS_ORDERS = ("oldest", "coldest")
 
 
 class TierOps:
@@ -114,9 +115,12 @@ class TierOps:
         real = self._running(state, ids, "compress")
         if len(np.unique(real)) != len(real):
             raise DuplicateIdError("compress: a sequence appears twice in one call")
-        # "oldest": the block index is the score (lowest compressed first).
-        scores = np.broadcast_to(np.arange(c.max_blocks_per_seq, dtype=np.float32),
-                                 (ids.size, c.max_blocks_per_seq))
+        if policy == "coldest":
+            tables = np.maximum(np.asarray(state.seqs.block_tables)[np.maximum(ids, 0)], 0)
+            scores = np.asarray(state.blocks.attn_mass[tables].sum(-1), np.float32)
+        else:  # "oldest": the block index is the score
+            scores = np.broadcast_to(np.arange(c.max_blocks_per_seq, dtype=np.float32),
+                                     (ids.size, c.max_blocks_per_seq))
         limits = np.full(ids.size, limit, np.int32)
         args = (ids, scores, limits, np.int32(keep))
         need = int(core.compress_count(c, state, *args))

@@ -60,3 +60,19 @@ def test_bad_mass_is_refused(mass, error):
     with pytest.raises(error):
         alloc.record_attention(s, [0, INVALID], mass)
     assert leaves_equal(before, s)
+
+
+def test_coldest_first_compression_takes_the_lowest_mass_blocks():
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7])]))  # 3 full blocks + a tail
+    mass = np.array([[3, 3, 0.5, 0.5, 2, 2, 0, 0], [0] * 8], np.float32)  # block 1 coldest
+    s, _ = alloc.record_attention(s, [0, INVALID], mass)
+    table = _ints(s.seqs.block_tables[0])
+    s2, rep = alloc.compress(s, [0, INVALID], kv_format="int8", keep_recent=0, max_blocks=2,
+                             policy="coldest")
+    alloc.check(s2)
+    new = _ints(s2.seqs.block_tables[0])
+    # Blocks 1 (mass 1) and 2 (mass 4) go; block 0 (mass 6) stays in pool 0.
+    assert new[0] == table[0] and new[1] != table[1] and new[2] != table[2]
+    s3, _ = alloc.compress(s, [0, INVALID], kv_format="int8", keep_recent=0, max_blocks=2)
+    assert _ints(s3.seqs.block_tables[0])[2] == table[2]  # "oldest" takes blocks 0 and 1
