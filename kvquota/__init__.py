@@ -37,11 +37,16 @@ from kvquota.state import (
     validate_state,
 )
 
+# ---- eviction policies (one scoring hook each, registered by name) ---------------------------
+from kvquota.policies import REGISTRY as POLICIES
+from kvquota.policies import EvictionPolicy, TokenView, get_policy
+
 # ---- reports -------------------------------------------------------------------------------------
 from kvquota.reports import (
     AdmitReport,
     AppendReport,
     CompressReport,
+    EvictReport,
     ForkReport,
     FreeReport,
     Ledger,

@@ -187,6 +187,30 @@ class CompressReport:
         return self.pool0_bytes_freed - self.compressed_bytes_charged
 
 
+@struct.dataclass
+class EvictReport:
+    """What an eviction did: tokens gone for good per sequence (the context breaks there), the
+    blocks copied on write (shared blocks are never altered under another sequence) and the
+    blocks returned."""
+
+    evicted_tokens: jax.Array  # i32[B]  tokens dropped per sequence
+    copied_blocks: jax.Array  # i32[B]  fresh pool-0 blocks taken for copies on write
+    blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
+    quota_units_released: jax.Array  # i32[T]  charges dropped per tenant, in byte units
+    transferred_blocks: jax.Array  # i32[]  shared blocks whose charge passed to an heir
+    pool_bytes: tuple = struct.field(pytree_node=False, default=())
+    unit_bytes: int = struct.field(pytree_node=False, default=1)
+    lossy: bool = struct.field(pytree_node=False, default=True)
+
+    @property
+    def pool_bytes_returned(self) -> int:
+        return int(_blocks_to_bytes(self.blocks_returned, self.pool_bytes))
+
+    @property
+    def quota_bytes_released(self) -> int:
+        return int(_units_to_bytes(self.quota_units_released, self.unit_bytes).sum())
+
+
 def host_alarm(used_blocks: int, host_blocks: int, watermark: float) -> bool:
     """The host pool's watermark alarm: held blocks at or above `watermark` of its capacity."""
     return host_blocks > 0 and used_blocks >= watermark * host_blocks

@@ -1,4 +1,5 @@
-"""The tier operations of the facade: lossless moves (offload, restore) and compression.
+"""The reclaim means of the facade beyond freeing: lossless moves (offload, restore) and the lossy
+ones (compress, evict).
 
 A mixin of `kvquota.allocator.Allocator` (one facade; this file keeps the tier concept apart). Same
 contract as every facade method: inputs and room are checked on the host, then one hand-off to
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax.numpy as jnp
 import numpy as np
 
 from kvquota import core
@@ -21,7 +23,9 @@ from kvquota.errors import (
     QuotaExceededError,
     TierError,
 )
-from kvquota.reports import CompressReport, MoveReport
+from kvquota.policies import TokenView, get_policy
+from kvquota.reports import CompressReport, EvictReport, MoveReport
+from kvquota.sentinel import INVALID
 from kvquota.state import KVState
 from kvquota.validation import int_array, int_scalar
 
@@ -31,8 +35,8 @@ COMPRESS_ORDERS = ("oldest", "coldest")
 
 
 class TierOps:
-    """offload / restore / compress; `self.config`, `_check_state` and `_running` come from the
-    Allocator."""
+    """offload / restore / compress / evict; `self.config`, `_check_state`, `_running` and
+    `_heir_rows` come from the Allocator."""
 
     def _moves(self, state, seq_ids, what, allowed):
         """The real ids of `seq_ids` and the validated input rows (reports follow input rows)."""
@@ -130,3 +134,65 @@ class TierOps:
                                 f"{room} free")
         return core.run("compress", c, state, *args, pool, donate=donate)
 
+    def evict(self, state, seq_ids, *, policy, keep_tokens, attention=None, donate=False,
+              **options) -> tuple[KVState, EvictReport]:
+        """Keep `keep_tokens` tokens of each running sequence — the ones the eviction policy
+        scores highest (a registered name, with `options`, or an EvictionPolicy) — and drop the
+        rest for good, compacting the survivors into full blocks at their logical positions.
+        Shared blocks are copied on write. `attention` f32[B, C] is the last step's attention
+        (TOVA needs it). Sequences holding compressed blocks are refused (token mode rewrites
+        pool-0 pages only)."""
+        self._check_state(state)
+        c = self.config
+        pol = get_policy(policy, **options)
+        ids = int_array("seq_ids", seq_ids, 1)
+        if ids.size == 0:
+            raise InputShapeError("seq_ids must have at least one row")
+        real = self._running(state, ids, "evict")
+        if len(np.unique(real)) != len(real):
+            raise DuplicateIdError("evict: a sequence appears twice in one call")
+        keep = int_scalar("keep_tokens", keep_tokens, InvalidArgumentError)
+        if keep < 0:
+            raise InvalidArgumentError(f"keep_tokens must be >= 0, got {keep}")
+        tables = np.asarray(state.seqs.block_tables)[np.maximum(ids, 0)]
+        tables = np.where((ids >= 0)[:, None], tables, INVALID)
+        if (tables >= c.num_blocks).any():
+            raise TierError("evict: a sequence holds compressed blocks; token eviction rewrites "
+                            "pool-0 pages only")
+        view = self._token_view(state, ids, tables, pol, attention)
+        mask = np.asarray(pol.keep_mask(view, np.full(ids.size, keep, np.int32)))
+        need = int(core.evict_fresh_count(c, state, ids, mask))
+        room = int(np.asarray(state.free.free_count)[0])
+        if need > room:
+            raise PoolFullError(f"evict: {need} blocks needed for copies on write, pool 0 has "
+                                f"{room} free")
+        ten = np.asarray(state.seqs.seq_tenant)[real]
+        heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
+        return core.run("evict_tokens", c, state, ids, mask, heirs, donate=donate)
+
+    def _token_view(self, state, ids, tables, policy, attention) -> TokenView:
+        """What the policy reads, per cache index: mass, and key norms / last attention when
+        the policy needs them."""
+        c = self.config
+        width = c.max_tokens_per_seq
+        safe = np.maximum(tables, 0)
+        lengths = np.where(ids >= 0, np.asarray(state.seqs.seq_lens)[np.maximum(ids, 0)], 0)
+        mass = np.asarray(state.blocks.attn_mass[safe]).reshape(ids.size, width)
+        key_norm = last = None
+        if "key_norm" in policy.needs:
+            if not state.pages:
+                raise TierError(f"policy {policy.name!r} reads keys: this state has no pages")
+            k = state.pages[0].k[:, :, np.minimum(safe, c.num_blocks - 1)]  # [L, H, B, MB, P, D]
+            norm = jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=(0, 1, -1)))
+            key_norm = jnp.asarray(norm).reshape(ids.size, width)
+        if "last_attention" in policy.needs:
+            if attention is None:
+                raise InvalidArgumentError(f"policy {policy.name!r} needs attention= (the last "
+                                           "step's attention per cached token)")
+            last = np.asarray(attention, np.float32)
+            if last.shape != (ids.size, width):
+                raise InputShapeError(f"attention must be [{ids.size}, {width}], "
+                                      f"got {last.shape}")
+        return TokenView(lengths=jnp.asarray(lengths, jnp.int32), mass=jnp.asarray(mass),
+                         key_norm=key_norm, last_attention=None if last is None else
+                         jnp.asarray(last))

@@ -201,6 +201,7 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
     token_ids = s.blocks.token_ids.at[ai].set(INVALID, mode="drop").at[bi, off].set(tokens, mode="drop")
     # A block that becomes full joins the prefix cache, chained on its predecessor's hash.
     becomes_full = ok & (off == p - 1)
+    never_evicted = s.seqs.positions[sc] == length
     salts = s.tenants.salt[tc]
     prev_hash = jnp.where((k > 0)[:, None], s.blocks.block_hash[clip(prev)],
                           salt_root(salts, config.hash_bits))
@@ -212,7 +213,9 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
         attn_mass=s.blocks.attn_mass.at[ai].set(0.0, mode="drop"),
         fill=s.blocks.fill.at[bi].add(1, mode="drop"),
         block_hash=s.blocks.block_hash.at[after(fi, prev_hash)].set(h, mode="drop"),
-        hashed=s.blocks.hashed.at[fi].set(True, mode="drop"),
+        # ... unless the sequence lost tokens to eviction: its K/V sit at other positions than
+        # a prompt of the same tokens would put them, so it is no lookup target.
+        hashed=s.blocks.hashed.at[oob(blk, becomes_full & never_evicted, nb)].set(True, mode="drop"),
         ref_count=s.blocks.ref_count.at[ai].set(1, mode="drop"),
         payer=s.blocks.payer.at[ai].set(t, mode="drop"),
         payer_refs=s.blocks.payer_refs.at[ai].set(1, mode="drop"),

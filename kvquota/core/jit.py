@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from kvquota.core import admission, compress, pins, release, statistics, tenants, tiers
+from kvquota.core import admission, compress, evict, pins, release, statistics, tenants, tiers
 
 # name -> (core, static argument positions besides the config at 0)
 _CORES = {
@@ -26,7 +26,8 @@ _CORES = {
     "offload": (tiers.offload, ()),
     "restore": (tiers.restore, ()),
     "record_mass": (statistics.record_mass, ()),
-    "compress": (compress.compress, (6,)),  # the target pool fixes its page layout
+    "compress": (compress.compress, (6,)),
+    "evict_tokens": (evict.evict_tokens, ()),  # the target pool fixes its page layout
 }
 
 
@@ -43,6 +44,7 @@ _TABLE = {name: _variants(fn, extra) for name, (fn, extra) in _CORES.items()}
 # count with the very rule the core applies.
 ledger = jax.jit(tenants.ledger, static_argnums=(0,))
 compress_count = jax.jit(compress.count, static_argnums=(0,))
+evict_fresh_count = jax.jit(evict.fresh_count, static_argnums=(0,))
 own_count = jax.jit(lambda config, state, seq_ids, pool: tiers.own_blocks(
     config, state, *tiers.seq_rows(state, seq_ids), pool).sum(axis=1), static_argnums=(0, 3))
 

@@ -1,0 +1,144 @@
+"""Eviction: drop tokens of a sequence and compact the survivors, keeping their logical positions.
+
+Token mode (`evict_tokens`): the kept tokens, in their original order, are packed into full
+blocks (no hole wastes a slot). Blocks before the first dropped token are unchanged and stay
+as they are (shared ones too: a shared system prompt survives by reference). From there on, new
+block q is written into the sequence's old block q when that block is its own (only it
+references it, unpinned, in pool 0), else into a fresh pool-0 block: copy on write, so a shared
+block is never altered under another sequence. Old blocks past the new end lose this
+sequence's reference (`settle` frees them or passes their charge to an heir).
+
+RoPE was applied before K was cached, so a token keeps its rotation wherever it lands: the
+sequence's `positions` (next logical position) is unchanged while `seq_lens` shrinks. Rewritten
+blocks are no prefix-cache targets (their K/V sit at other positions than a prompt of the same
+tokens would put them); their chain hash is still stored, so appends keep chaining.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvquota.core.prefix import chain_hashes
+from kvquota.core.release import heir_inputs, settle
+from kvquota.core.scatter import clip, oob
+from kvquota.core.tiers import own_blocks, pop_blocks, seq_rows
+from kvquota.reports import EvictReport
+from kvquota.sentinel import INVALID
+from kvquota.state import KVState, StateConfig
+
+
+def plan_tokens(config: StateConfig, state: KVState, seq_ids, keep):
+    """Where every kept token goes. keep bool[B, C] (C = MB * P; False past each length).
+
+    Returns a dict of the new table i32[B, MB], which new blocks are written (bool[B, MB]),
+    which of them are fresh copies (bool[B, MB]), each kept token's destination (block, slot)
+    and the number of kept tokens i32[B]."""
+    p, mb = config.block_size, config.max_blocks_per_seq
+    b, c = keep.shape
+    rows, tcol = seq_rows(state, seq_ids)
+    lens = jnp.where(seq_ids >= 0, state.seqs.seq_lens[clip(seq_ids)], 0)
+    i = jnp.arange(c, dtype=jnp.int32)[None, :]
+    keep = keep & (i < lens[:, None])
+    n_keep = keep.sum(axis=1).astype(jnp.int32)
+    dropped = (i < lens[:, None]) & ~keep
+    first_drop = jnp.where(dropped.any(axis=1), jnp.argmax(dropped, axis=1), lens)
+    stable = (first_drop // p).astype(jnp.int32)  # blocks left exactly as they are
+    q = jnp.arange(mb, dtype=jnp.int32)[None, :]
+    new_nblk = (n_keep + p - 1) // p
+    written = (q >= stable[:, None]) & (q < new_nblk[:, None])
+    own = own_blocks(config, state, rows, tcol, 0)
+    fresh = written & ~own
+    fresh_ids, n_fresh = pop_blocks(config, state, fresh.ravel(), 0)
+    table = jnp.where(q < new_nblk[:, None], rows, INVALID)
+    table = jnp.where(fresh, fresh_ids.reshape(b, mb), table)
+    j = jnp.cumsum(keep, axis=1) - 1  # new cache index of each kept token
+    moved = keep & (i >= (stable * p)[:, None])  # kept tokens that land in a written block
+    dst_blk = jnp.take_along_axis(table, jnp.clip(j // p, 0, mb - 1), axis=1)
+    return dict(table=table, rows=rows, tcol=tcol, written=written, fresh=fresh,
+                n_fresh=n_fresh, n_keep=n_keep, lens=lens, moved=moved, dst_blk=dst_blk,
+                dst_slot=j % p, src_blk=jnp.take_along_axis(rows, jnp.clip(i // p, 0, mb - 1),
+                                                          axis=1), src_slot=i % p,
+                new_nblk=new_nblk)
+
+
+def fresh_count(config: StateConfig, state: KVState, seq_ids, keep):
+    """i32[]: pool-0 blocks the eviction needs for copies on write (the facade's room check)."""
+    return plan_tokens(config, state, seq_ids, keep)["n_fresh"].astype(jnp.int32)
+
+
+def evict_tokens(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
+    """Keep exactly the tokens `keep` (bool[B, MB * P]) of `seq_ids` (i32[B], unique, INVALID =
+    padding), compacted. `heir_rows` are the live rows that may inherit a shared block's charge."""
+    p, nb, ns, ntn = config.block_size, config.total_blocks, config.max_seqs, config.num_tenants
+    pl = plan_tokens(config, state, seq_ids, keep)
+    b, mb = pl["table"].shape
+    blk, s = state.blocks, state
+    valid = seq_ids >= 0
+    ten = pl["tcol"][:, 0]
+    written = oob(pl["table"], pl["written"], nb)
+    fresh = oob(pl["table"], pl["fresh"], nb)
+    src = (clip(pl["src_blk"]), pl["src_slot"])
+    dst = (oob(pl["dst_blk"], pl["moved"], nb), pl["dst_slot"])
+    fill = jnp.clip(pl["n_keep"][:, None] - jnp.arange(mb)[None, :] * p, 0, p)
+
+    # Token ids, mass and pages of the written blocks: cleared, then the kept tokens scattered.
+    token_ids = blk.token_ids.at[written].set(INVALID, mode="drop").at[dst].set(
+        blk.token_ids[src], mode="drop")
+    mass = blk.attn_mass.at[written].set(0.0, mode="drop").at[dst].set(
+        blk.attn_mass[src], mode="drop")
+    # Chain hashes of the new token stream (the prefix stays; rewritten blocks re-chained).
+    salts = s.tenants.salt[clip(ten)]
+    stream = token_ids[clip(pl["table"])]  # [B, MB, P]
+    hashes = chain_hashes(config, salts, stream)
+    full = fill == p
+    prev = jnp.pad(pl["table"][:, :-1], ((0, 0), (1, 0)), constant_values=INVALID)
+    # References: fresh copies gain one; old entries no longer in the table lose one.
+    kk = jnp.arange(mb)[None, :]
+    gone = (pl["rows"] >= 0) & ((kk >= pl["new_nblk"][:, None]) | pl["fresh"])
+    gone_ids = oob(pl["rows"], gone, nb)
+    own_gone = oob(pl["rows"], gone & (blk.payer[clip(pl["rows"])] == pl["tcol"]), nb)
+    heirs = heir_inputs(state, heir_rows)
+    state = s.update(
+        token_ids=token_ids,
+        attn_mass=mass,
+        fill=blk.fill.at[written].set(fill, mode="drop"),
+        block_hash=blk.block_hash.at[written].set(
+            jnp.where(full[..., None], hashes, jnp.uint32(0)), mode="drop"),
+        hashed=blk.hashed.at[written].set(False, mode="drop"),
+        block_salt=blk.block_salt.at[fresh].set(jnp.broadcast_to(salts[:, None], (b, mb)),
+                                                mode="drop"),
+        parent=blk.parent.at[written].set(prev, mode="drop"),
+        parent_gen=blk.parent_gen.at[written].set(
+            jnp.where(prev >= 0, blk.generation[clip(prev)], 0), mode="drop"),
+        ref_count=blk.ref_count.at[fresh].set(1, mode="drop").at[gone_ids].add(-1, mode="drop"),
+        payer_refs=blk.payer_refs.at[fresh].set(1, mode="drop").at[own_gone].add(
+            -1, mode="drop"),
+        payer=blk.payer.at[fresh].set(pl["tcol"], mode="drop"),
+        free_count=s.free.free_count.at[0].add(-pl["n_fresh"]),
+        block_tables=s.seqs.block_tables.at[oob(seq_ids, valid, ns)].set(pl["table"],
+                                                                          mode="drop"),
+        seq_lens=s.seqs.seq_lens.at[oob(seq_ids, valid, ns)].set(pl["n_keep"], mode="drop"),
+        used_tokens=s.tenants.used_tokens.at[oob(ten, valid, ntn)].add(
+            pl["n_keep"] - pl["lens"], mode="drop"),
+        charged_blocks=s.tenants.charged_blocks.at[oob(ten, valid, ntn), 0].add(
+            pl["fresh"].sum(axis=1).astype(jnp.int32), mode="drop"),
+    )
+    if s.pages:
+        # Only pool-0 blocks are rewritten (the facade refuses sequences holding compressed
+        # blocks in token mode); gather every kept token from the old pages, then scatter.
+        pool0 = s.pages[0]
+        d_blk = jnp.where(dst[0] < config.num_blocks, dst[0], config.num_blocks)
+        move = lambda a: a.at[:, :, d_blk, dst[1]].set(a[:, :, src[0], src[1]], mode="drop")  # noqa: E731
+        state = state.replace(pages=(jax.tree.map(move, pool0),) + s.pages[1:])
+    state, rep = settle(config, state, jnp.where(gone, pl["rows"], INVALID).ravel(), heirs)
+    report = EvictReport(
+        evicted_tokens=jnp.where(valid, pl["lens"] - pl["n_keep"], 0),
+        copied_blocks=pl["fresh"].sum(axis=1).astype(jnp.int32),
+        blocks_returned=rep["blocks_returned"],
+        quota_units_released=rep["quota_units_released"],
+        transferred_blocks=rep["transferred_blocks"],
+        pool_bytes=config.pool_bytes,
+        unit_bytes=config.unit_bytes,
+    )
+    return state, report

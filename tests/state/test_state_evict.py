@@ -1,0 +1,164 @@
+"""Eviction with compaction: exactly the chosen tokens survive, packed into full blocks at their
+logical positions; shared blocks are copied on write; every registered policy keeps exactly its
+top-scored tokens and leaves a consistent state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import paged_attention as pa
+from kvquota import errors as E
+from kvquota.policies import REGISTRY, TokenView, get_policy
+from kvquota.sentinel import INVALID
+from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts, seq_tokens, snapshot
+from tests.state.test_state_tiers import _ints, _seq_pages, _with_pages
+
+P = TINY.block_size
+WIDTH = TINY.max_tokens_per_seq
+
+
+
+
+def test_kept_tokens_are_compacted_in_order_at_their_positions():
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7]), (1, [8, 9])]))
+    s = _with_pages(alloc, s)
+    pages_before, other_before = _seq_pages(s, 0), _seq_pages(s, 1)
+    # With no attention recorded every mass is 0 and H2O's ties go to the latest tokens: 3-6.
+    s, rep = alloc.evict(s, [0, INVALID], policy="h2o", keep_tokens=4)
+    alloc.check(s)
+    assert _ints(rep.evicted_tokens) == [3, 0] and seq_tokens(s, 0, P) == [4, 5, 6, 7]
+    assert int(s.seqs.seq_lens[0]) == 4 and int(s.seqs.positions[0]) == 7
+    assert _same_tokens(_seq_pages(s, 0), [pages_before[i] for i in (3, 4, 5, 6)])
+    assert _same_tokens(_seq_pages(s, 1), other_before)
+    assert rep.pool_bytes_returned == 2 * BLOCK  # 4 blocks -> 2
+    assert int(alloc.ledger(s).used_tokens[0]) == 4
+
+
+def test_attention_after_eviction_equals_dense_attention_over_the_kept_tokens():
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7])]))
+    s = _with_pages(alloc, s, seed=3)
+    before = _seq_pages(s, 0)
+    mass = np.zeros((2, WIDTH), np.float32)
+    mass[0, :7] = [5, 0, 4, 0, 3, 0, 1]
+    s, _ = alloc.record_attention(s, [0, INVALID], mass)
+    s, rep = alloc.evict(s, [0, INVALID], policy="h2o", keep_tokens=4)
+    alloc.check(s)
+    kept = [0, 2, 4, 6]  # the heavy hitters
+    assert _ints(rep.evicted_tokens) == [3, 0]
+    q = jax.random.normal(jax.random.key(0), (1, TINY.model.num_q_heads, TINY.model.head_dim))
+    table = s.seqs.block_tables[:1]
+    got = pa.decode(q, s.pages[0].k[0], s.pages[0].v[0], table, s.seqs.seq_lens[:1],
+                    backend="reference")
+    k = jnp.stack([before[i][0][0] for i in kept])  # [n, Hkv, D] of layer 0
+    v = jnp.stack([before[i][1][0] for i in kept])
+    group = TINY.model.num_q_heads // TINY.model.num_kv_heads
+    logits = jnp.einsum("hd,nhd->hn", q[0], jnp.repeat(k, group, axis=1)) / np.sqrt(k.shape[-1])
+    want = jnp.einsum("hn,nhd->hd", jax.nn.softmax(logits, -1), jnp.repeat(v, group, axis=1))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_shared_blocks_are_copied_on_write_and_a_stable_prefix_stays_shared():
+    alloc, s = fresh(tenants=((100, 8 * BLOCK, 1), (100, 8 * BLOCK, 1)))
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5])]))
+    s, r = alloc.admit(s, *prompts([(1, [1, 2, 3, 4, 9])]))  # shares blocks 0 and 1
+    assert int(r.hit_blocks[0]) == 2
+    s = _with_pages(alloc, s)
+    shared = _ints(s.seqs.block_tables[0])[:2]
+    other = snapshot(s)
+    # "oldest" drops tokens 0 and 1 (the oldest): every block from block 0 on is rewritten, and
+    # the shared ones are written into fresh copies.
+    s2, rep = alloc.evict(s, [0, INVALID], policy="oldest", keep_tokens=4)
+    alloc.check(s2)
+    assert _ints(rep.copied_blocks)[0] >= 1
+    assert _ints(s2.seqs.block_tables[1]) == _ints(other.seqs.block_tables[1])
+    assert _same_tokens(_seq_pages(s2, 1), _seq_pages(other, 1))
+    assert _ints(s2.seqs.block_tables[0])[:2] != shared
+    # Keeping the first 4 tokens (streamingllm sinks) leaves both shared blocks shared.
+    s3, rep = alloc.evict(s, [0, INVALID], policy="streamingllm", keep_tokens=4, sinks=4)
+    alloc.check(s3)
+    assert _ints(s3.seqs.block_tables[0])[:2] == shared and _ints(rep.copied_blocks)[0] == 0
+
+
+def test_an_evicted_sequence_appends_but_is_no_lookup_target():
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6])]))
+    s, _ = alloc.evict(s, [0, INVALID], policy="oldest", keep_tokens=3)  # keeps 4, 5, 6
+    s, r = alloc.append(s, [0, INVALID], [7, 0])  # block (6, 7) becomes full
+    alloc.check(s)
+    assert bool(r.appended[0]) and int(s.seqs.positions[0]) == 7 and int(s.seqs.seq_lens[0]) == 4
+    s, r = alloc.admit(s, *prompts([(0, [4, 5, 6, 7, 1])]))  # same tokens, other positions
+    alloc.check(s)
+    assert int(r.hit_blocks[0]) == 0
+
+
+def _view(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    valid = np.arange(WIDTH)[None, :] < np.asarray(lengths)[:, None]
+    mass = np.where(valid, rng.random((b, WIDTH)), 0).astype(np.float32)
+    return TokenView(lengths=jnp.asarray(lengths, jnp.int32), mass=jnp.asarray(mass),
+                     key_norm=jnp.asarray(rng.random((b, WIDTH)), jnp.float32),
+                     last_attention=jnp.asarray(rng.random((b, WIDTH)), jnp.float32))
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_policy_keeps_exactly_its_top_scored_tokens(name):
+    policy = get_policy(name, recent=1)
+    view = _view([7, 3])
+    keep = np.asarray(policy.keep_mask(view, jnp.asarray([4, 5], jnp.int32)))
+    score = np.asarray(policy.score(view))
+    for b, n in enumerate([7, 3]):
+        k = min([4, 5][b], n)
+        assert keep[b].sum() == k and not keep[b, n:].any()
+        assert keep[b, n - 1]  # the recent window
+        rest = [i for i in range(n - 1)]
+        kept = [i for i in rest if keep[b, i]]
+        dropped = [i for i in rest if not keep[b, i]]
+        if kept and dropped:
+            assert min(score[b, kept]) >= max(score[b, dropped])
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_policy_runs_through_the_state(name):
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7]), (1, [8, 9, 1, 2, 3])]))
+    s = _with_pages(alloc, s)
+    attention = np.random.default_rng(1).random((2, WIDTH)).astype(np.float32)
+    s, rep = alloc.evict(s, [0, 1], policy=name, keep_tokens=3, attention=attention)
+    alloc.check(s)
+    assert _ints(rep.evicted_tokens) == [4, 2] and _ints(s.seqs.seq_lens[:2]) == [3, 3]
+
+
+BAD = [
+    ("unknown policy", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="h3o", keep_tokens=2)),
+    ("bad policy option", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=2, window=3)),
+    ("negative keep_tokens", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=-1)),
+    ("tova without attention", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="tova", keep_tokens=2)),
+    ("a free slot", E.UnknownSequenceError, lambda a, s: a.evict(s, [3], policy="h2o",
+                                                                 keep_tokens=2)),
+    ("a sequence with compressed blocks", E.TierError,
+     lambda a, s: a.evict(s, [1], policy="h2o", keep_tokens=2)),
+]
+
+
+@pytest.mark.parametrize("name,error,call", BAD, ids=[b[0] for b in BAD])
+def test_bad_evict_raises_and_leaves_state_unchanged(name, error, call):
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5]), (1, [6, 7, 8, 9, 1])]))
+    s, _ = alloc.compress(s, [1, INVALID], kv_format="int8", keep_recent=0, max_blocks=1)
+    before = snapshot(s)
+    with pytest.raises(error):
+        call(alloc, s)
+    assert leaves_equal(before, s)
+
+
+def _same_tokens(a, b):
+    return len(a) == len(b) and all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
+                                    for x, y in zip(a, b))
