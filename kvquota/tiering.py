@@ -134,14 +134,16 @@ class TierOps:
                                 f"{room} free")
         return core.run("compress", c, state, *args, pool, donate=donate)
 
-    def evict(self, state, seq_ids, *, policy, keep_tokens, attention=None, donate=False,
-              **options) -> tuple[KVState, EvictReport]:
+    def evict(self, state, seq_ids, *, policy, keep_tokens, mode="token", attention=None,
+              donate=False, **options) -> tuple[KVState, EvictReport]:
         """Keep `keep_tokens` tokens of each running sequence — the ones the eviction policy
         scores highest (a registered name, with `options`, or an EvictionPolicy) — and drop the
-        rest for good, compacting the survivors into full blocks at their logical positions.
-        Shared blocks are copied on write. `attention` f32[B, C] is the last step's attention
-        (TOVA needs it). Sequences holding compressed blocks are refused (token mode rewrites
-        pool-0 pages only)."""
+        rest for good, compacting the survivors at their logical positions. Shared blocks are
+        copied on write. `attention` f32[B, C] is the last step's attention (TOVA needs it).
+
+        mode "token": survivors packed into full blocks (pool-0 pages rewritten; sequences
+        holding compressed blocks are refused). mode "block": the `keep_tokens // block_size`
+        top-scored whole blocks stay, the table is compacted and own blocks are not copied."""
         self._check_state(state)
         c = self.config
         pol = get_policy(policy, **options)
@@ -154,21 +156,32 @@ class TierOps:
         keep = int_scalar("keep_tokens", keep_tokens, InvalidArgumentError)
         if keep < 0:
             raise InvalidArgumentError(f"keep_tokens must be >= 0, got {keep}")
+        if mode not in ("token", "block"):
+            raise InvalidArgumentError(f"evict mode must be 'token' or 'block', got {mode!r}")
         tables = np.asarray(state.seqs.block_tables)[np.maximum(ids, 0)]
         tables = np.where((ids >= 0)[:, None], tables, INVALID)
-        if (tables >= c.num_blocks).any():
+        if mode == "token" and (tables >= c.num_blocks).any():
             raise TierError("evict: a sequence holds compressed blocks; token eviction rewrites "
-                            "pool-0 pages only")
+                            "pool-0 pages only (use mode='block')")
         view = self._token_view(state, ids, tables, pol, attention)
-        mask = np.asarray(pol.keep_mask(view, np.full(ids.size, keep, np.int32)))
-        need = int(core.evict_fresh_count(c, state, ids, mask))
+        if mode == "token":
+            mask = np.asarray(pol.keep_mask(view, np.full(ids.size, keep, np.int32)))
+            need = int(core.evict_fresh_count(c, state, ids, mask))
+        else:
+            mask = np.asarray(pol.block_keep_mask(
+                view, c.block_size, np.full(ids.size, keep // c.block_size, np.int32)))
+            need, outside = core.evict_block_fresh_count(c, state, ids, mask)
+            need = int(need)
+            if bool(outside):
+                raise TierError("evict: a shared or pinned compressed block would need a copy "
+                                "on write; copies are made in pool 0 only")
         room = int(np.asarray(state.free.free_count)[0])
         if need > room:
             raise PoolFullError(f"evict: {need} blocks needed for copies on write, pool 0 has "
                                 f"{room} free")
         ten = np.asarray(state.seqs.seq_tenant)[real]
         heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
-        return core.run("evict_tokens", c, state, ids, mask, heirs, donate=donate)
+        return core.run(f"evict_{mode}s", c, state, ids, mask, heirs, donate=donate)
 
     def _token_view(self, state, ids, tables, policy, attention) -> TokenView:
         """What the policy reads, per cache index: mass, and key norms / last attention when

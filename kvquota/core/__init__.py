@@ -5,6 +5,15 @@ INVALID. Each core only touches the rows it is given: updates are scatters of O(
 elements, so with the state donated XLA updates the large per-block arrays in place.
 """
 
-from kvquota.core.jit import compiled, compress_count, evict_fresh_count, ledger, own_count, run
+from kvquota.core.jit import (
+    compiled,
+    compress_count,
+    evict_block_fresh_count,
+    evict_fresh_count,
+    ledger,
+    own_count,
+    run,
+)
 
-__all__ = ["compiled", "compress_count", "evict_fresh_count", "ledger", "own_count", "run"]
+__all__ = ["compiled", "compress_count", "evict_block_fresh_count", "evict_fresh_count", "ledger",
+           "own_count", "run"]

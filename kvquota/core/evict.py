@@ -1,5 +1,8 @@
 """Eviction: drop tokens of a sequence and compact the survivors, keeping their logical positions.
 
+Block mode (`evict_blocks`) drops whole blocks and compacts the table: own blocks keep their
+pages (no copy), only shared or pinned blocks after the first dropped one are copied on write.
+
 Token mode (`evict_tokens`): the kept tokens, in their original order, are packed into full
 blocks (no hole wastes a slot). Blocks before the first dropped token are unchanged and stay
 as they are (shared ones too: a shared system prompt survives by reference). From there on, new
@@ -19,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvquota.core.pages import copy_blocks
 from kvquota.core.prefix import chain_hashes
 from kvquota.core.release import heir_inputs, settle
 from kvquota.core.scatter import clip, oob
@@ -134,6 +138,107 @@ def evict_tokens(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
     state, rep = settle(config, state, jnp.where(gone, pl["rows"], INVALID).ravel(), heirs)
     report = EvictReport(
         evicted_tokens=jnp.where(valid, pl["lens"] - pl["n_keep"], 0),
+        copied_blocks=pl["fresh"].sum(axis=1).astype(jnp.int32),
+        blocks_returned=rep["blocks_returned"],
+        quota_units_released=rep["quota_units_released"],
+        transferred_blocks=rep["transferred_blocks"],
+        pool_bytes=config.pool_bytes,
+        unit_bytes=config.unit_bytes,
+    )
+    return state, report
+
+
+def plan_blocks(config: StateConfig, state: KVState, seq_ids, keep):
+    """Block mode: keep bool[B, MB] whole blocks. Returns the new table, the kept blocks that
+    need a copy on write (shared or pinned ones after the first dropped block) and counts."""
+    mb = config.max_blocks_per_seq
+    b = keep.shape[0]
+    rows, tcol = seq_rows(state, seq_ids)
+    keep = keep & (rows >= 0)
+    q = jnp.arange(mb, dtype=jnp.int32)[None, :]
+    dropped = (rows >= 0) & ~keep
+    first_drop = jnp.where(dropped.any(axis=1), jnp.argmax(dropped, axis=1), mb)
+    after = keep & (q >= first_drop[:, None])  # kept blocks whose predecessor changes
+    rc = clip(rows)
+    blk = state.blocks
+    own = (blk.ref_count[rc] == 1) & (blk.pin_count[rc] == 0) & (blk.payer[rc] == tcol)
+    fresh = after & ~own  # the facade refuses copies of blocks outside pool 0
+    fresh_ids, n_fresh = pop_blocks(config, state, fresh.ravel(), 0)
+    ids = jnp.where(fresh, fresh_ids.reshape(b, mb), rows)
+    rank = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, mb)  # new slot of each kept block
+    table = jnp.full((b, mb), INVALID, jnp.int32)
+    table = jax.vmap(lambda t, r, x: t.at[r].set(x, mode="drop"))(table, rank, ids)
+    rewritten = jnp.zeros((b, mb), bool)
+    rewritten = jax.vmap(lambda t, r, a: t.at[r].set(a, mode="drop"))(rewritten, rank, after)
+    return dict(rows=rows, tcol=tcol, keep=keep, fresh=fresh, n_fresh=n_fresh, table=table,
+                rewritten=rewritten, fresh_ids=ids, dropped=dropped,
+                fresh_outside_pool0=(fresh & (rows >= config.num_blocks)).any())
+
+
+def fresh_block_count(config: StateConfig, state: KVState, seq_ids, keep):
+    """(i32[] pool-0 blocks block-mode eviction needs for copies on write, bool[] whether a
+    block outside pool 0 would need one: the facade's checks)."""
+    pl = plan_blocks(config, state, seq_ids, keep)
+    return pl["n_fresh"].astype(jnp.int32), pl["fresh_outside_pool0"]
+
+
+def evict_blocks(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
+    """Keep exactly the whole blocks `keep` (bool[B, MB]) of `seq_ids`, the table compacted.
+    Own blocks keep their pages (no copy); only shared or pinned blocks after the first dropped
+    one are copied on write (pool 0 only: the facade refuses the rest)."""
+    p, nb, ns, ntn = config.block_size, config.total_blocks, config.max_seqs, config.num_tenants
+    pl = plan_blocks(config, state, seq_ids, keep)
+    b, mb = pl["table"].shape
+    blk, s = state.blocks, state
+    valid = seq_ids >= 0
+    ten = pl["tcol"][:, 0]
+    rows_c = clip(pl["rows"])
+    fresh = oob(pl["fresh_ids"], pl["fresh"], nb)
+    lens = jnp.where(valid, s.seqs.seq_lens[clip(seq_ids)], 0)
+    kept_tokens = jnp.where(pl["keep"], blk.fill[rows_c], 0).sum(axis=1).astype(jnp.int32)
+    # Fresh copies first take their source's data; then the rewritten part of the new table is
+    # re-chained (new parents, chain hashes of the new stream) and leaves the prefix cache.
+    token_ids = blk.token_ids.at[fresh].set(blk.token_ids[rows_c], mode="drop")
+    salts = s.tenants.salt[clip(ten)]
+    tab_c = clip(pl["table"])
+    hashes = chain_hashes(config, salts, token_ids[tab_c])
+    full = blk.fill.at[fresh].set(blk.fill[rows_c], mode="drop")[tab_c] == p
+    prev = jnp.pad(pl["table"][:, :-1], ((0, 0), (1, 0)), constant_values=INVALID)
+    rew = oob(pl["table"], pl["rewritten"], nb)
+    gone = pl["dropped"] | pl["fresh"]
+    own_gone = oob(pl["rows"], gone & (blk.payer[rows_c] == pl["tcol"]), nb)
+    heirs = heir_inputs(state, heir_rows)
+    state = s.update(
+        token_ids=token_ids,
+        attn_mass=blk.attn_mass.at[fresh].set(blk.attn_mass[rows_c], mode="drop"),
+        fill=blk.fill.at[fresh].set(blk.fill[rows_c], mode="drop"),
+        block_hash=blk.block_hash.at[rew].set(
+            jnp.where(full[..., None], hashes, jnp.uint32(0)), mode="drop"),
+        hashed=blk.hashed.at[rew].set(False, mode="drop"),
+        block_salt=blk.block_salt.at[fresh].set(blk.block_salt[rows_c], mode="drop"),
+        parent=blk.parent.at[rew].set(prev, mode="drop"),
+        parent_gen=blk.parent_gen.at[rew].set(
+            jnp.where(prev >= 0, blk.generation[clip(prev)], 0), mode="drop"),
+        ref_count=blk.ref_count.at[fresh].set(1, mode="drop").at[
+            oob(pl["rows"], gone, nb)].add(-1, mode="drop"),
+        payer_refs=blk.payer_refs.at[fresh].set(1, mode="drop").at[own_gone].add(
+            -1, mode="drop"),
+        payer=blk.payer.at[fresh].set(pl["tcol"], mode="drop"),
+        free_count=s.free.free_count.at[0].add(-pl["n_fresh"]),
+        block_tables=s.seqs.block_tables.at[oob(seq_ids, valid, ns)].set(pl["table"],
+                                                                          mode="drop"),
+        seq_lens=s.seqs.seq_lens.at[oob(seq_ids, valid, ns)].set(kept_tokens, mode="drop"),
+        used_tokens=s.tenants.used_tokens.at[oob(ten, valid, ntn)].add(kept_tokens - lens,
+                                                                       mode="drop"),
+        charged_blocks=s.tenants.charged_blocks.at[oob(ten, valid, ntn), 0].add(
+            pl["fresh"].sum(axis=1).astype(jnp.int32), mode="drop"),
+    )
+    if s.pages:
+        state = state.replace(pages=copy_blocks(config, s.pages, pl["rows"].ravel(),
+                                                pl["fresh_ids"].ravel(), pl["fresh"].ravel()))
+    state, rep = settle(config, state, jnp.where(gone, pl["rows"], INVALID).ravel(), heirs)
+    report = EvictReport(
+        evicted_tokens=jnp.where(valid, lens - kept_tokens, 0),
         copied_blocks=pl["fresh"].sum(axis=1).astype(jnp.int32),
         blocks_returned=rep["blocks_returned"],
         quota_units_released=rep["quota_units_released"],

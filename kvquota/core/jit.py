@@ -27,7 +27,8 @@ _CORES = {
     "restore": (tiers.restore, ()),
     "record_mass": (statistics.record_mass, ()),
     "compress": (compress.compress, (6,)),
-    "evict_tokens": (evict.evict_tokens, ()),  # the target pool fixes its page layout
+    "evict_tokens": (evict.evict_tokens, ()),
+    "evict_blocks": (evict.evict_blocks, ()),  # the target pool fixes its page layout
 }
 
 
@@ -45,6 +46,7 @@ _TABLE = {name: _variants(fn, extra) for name, (fn, extra) in _CORES.items()}
 ledger = jax.jit(tenants.ledger, static_argnums=(0,))
 compress_count = jax.jit(compress.count, static_argnums=(0,))
 evict_fresh_count = jax.jit(evict.fresh_count, static_argnums=(0,))
+evict_block_fresh_count = jax.jit(evict.fresh_block_count, static_argnums=(0,))
 own_count = jax.jit(lambda config, state, seq_ids, pool: tiers.own_blocks(
     config, state, *tiers.seq_rows(state, seq_ids), pool).sum(axis=1), static_argnums=(0, 3))
 

@@ -132,7 +132,41 @@ def test_every_policy_runs_through_the_state(name):
     assert _ints(rep.evicted_tokens) == [4, 2] and _ints(s.seqs.seq_lens[:2]) == [3, 3]
 
 
+def test_block_mode_drops_whole_blocks_without_copying_own_blocks():
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7])]))  # blocks 0-2 full, 3 tail
+    s = _with_pages(alloc, s)
+    s, _ = alloc.compress(s, [0, INVALID], kv_format="int8", keep_recent=0, max_blocks=1)
+    before, table = _seq_pages(s, 0), _ints(s.seqs.block_tables[0])
+    mass = np.zeros((2, WIDTH), np.float32)
+    mass[0, :7] = [9, 9, 0, 0, 5, 5, 1]  # block 1 is the coldest
+    s, _ = alloc.record_attention(s, [0, INVALID], mass)
+    s, rep = alloc.evict(s, [0, INVALID], policy="h2o", keep_tokens=6, mode="block")
+    alloc.check(s)
+    # 3 blocks kept: the compressed block 0, block 2 and the tail; block 1 dropped.
+    assert _ints(s.seqs.block_tables[0])[:3] == [table[0], table[2], table[3]]
+    assert _ints(rep.evicted_tokens) == [2, 0] and _ints(rep.copied_blocks) == [0, 0]
+    assert seq_tokens(s, 0, P) == [1, 2, 5, 6, 7] and int(s.seqs.positions[0]) == 7
+    assert _same_tokens(_seq_pages(s, 0)[2:], [before[i] for i in (4, 5, 6)])
+
+
+def test_block_mode_copies_a_shared_block_that_loses_its_predecessor():
+    alloc, s = fresh(tenants=((100, 8 * BLOCK, 1), (100, 8 * BLOCK, 1)))
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5])]))
+    s, r = alloc.admit(s, *prompts([(1, [1, 2, 3, 4, 9])]))  # shares blocks 0 and 1
+    s = _with_pages(alloc, s)
+    other = snapshot(s)
+    s, rep = alloc.evict(s, [0, INVALID], policy="oldest", keep_tokens=4, mode="block")
+    alloc.check(s)
+    # Block 0 (oldest) dropped; block 1 (shared) follows a new predecessor: copied.
+    assert _ints(rep.copied_blocks) == [1, 0] and seq_tokens(s, 0, P) == [3, 4, 5]
+    assert _ints(s.seqs.block_tables[1]) == _ints(other.seqs.block_tables[1])
+    assert _same_tokens(_seq_pages(s, 1), _seq_pages(other, 1))
+
+
 BAD = [
+    ("unknown mode", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=2, mode="page")),
     ("unknown policy", E.InvalidArgumentError,
      lambda a, s: a.evict(s, [0], policy="h3o", keep_tokens=2)),
     ("bad policy option", E.InvalidArgumentError,

@@ -25,7 +25,8 @@ def _with_pages(alloc, s, seed=0):
 
 
 def _seq_pages(s, seq):
-    """K and V of a sequence's tokens, read through its table from whichever pool holds them."""
+    """K and V of a sequence's tokens, read through its table from whichever full-precision pool
+    holds them (None for a token in a compressed pool)."""
     table = np.asarray(s.seqs.block_tables[seq])
     n = int(s.seqs.seq_lens[seq])
     out = []
@@ -33,6 +34,9 @@ def _seq_pages(s, seq):
         blk, off = table[i // TINY.block_size], i % TINY.block_size
         pool = int(np.searchsorted(TINY.pool_starts, blk, side="right") - 1)
         local = blk - TINY.pool_starts[pool]
+        if TINY.pool_formats[pool].quantized:  # compressed: not comparable bit for bit
+            out.append(None)
+            continue
         out.append((np.asarray(s.pages[pool].k[:, :, local, off]),
                     np.asarray(s.pages[pool].v[:, :, local, off])))
     return out
