@@ -38,16 +38,22 @@ class TierOps:
     """offload / restore / compress / evict; `self.config`, `_check_state`, `_running` and
     `_heir_rows` come from the Allocator."""
 
-    def _moves(self, state, seq_ids, what, allowed):
-        """The real ids of `seq_ids` and the validated input rows (reports follow input rows)."""
-        if self.config.host_pool is None:
-            raise TierError(f"{what}: this config has no host pool (host_blocks=0)")
+    def _batch(self, state, seq_ids, what, allowed):
+        """(validated input rows i32[B], their real ids): every real id in range, in an
+        `allowed` status, at most once. Reports follow the input rows."""
         ids = int_array("seq_ids", seq_ids, 1)
         if ids.size == 0:
             raise InputShapeError("seq_ids must have at least one row")
         real = self._running(state, ids, what, allowed=allowed)
         if len(np.unique(real)) != len(real):
             raise DuplicateIdError(f"{what}: a sequence appears twice in one call")
+        return ids, real
+
+    def _moves(self, state, seq_ids, what, allowed):
+        """`_batch` for a move to or from the host pool, which must exist."""
+        if self.config.host_pool is None:
+            raise TierError(f"{what}: this config has no host pool (host_blocks=0)")
+        ids, real = self._batch(state, seq_ids, what, allowed)
         return real, ids
 
     def _own_blocks(self, state, real, pool):
@@ -113,12 +119,7 @@ class TierOps:
             "max_blocks", max_blocks, InvalidArgumentError)
         if limit < 0:
             raise InvalidArgumentError(f"max_blocks must be >= 0, got {limit}")
-        ids = int_array("seq_ids", seq_ids, 1)
-        if ids.size == 0:
-            raise InputShapeError("seq_ids must have at least one row")
-        real = self._running(state, ids, "compress")
-        if len(np.unique(real)) != len(real):
-            raise DuplicateIdError("compress: a sequence appears twice in one call")
+        ids, real = self._batch(state, seq_ids, "compress", (SEQ_RUNNING,))
         if policy == "coldest":
             tables = np.maximum(np.asarray(state.seqs.block_tables)[np.maximum(ids, 0)], 0)
             scores = np.asarray(state.blocks.attn_mass[tables].sum(-1), np.float32)
@@ -147,12 +148,7 @@ class TierOps:
         self._check_state(state)
         c = self.config
         pol = get_policy(policy, **options)
-        ids = int_array("seq_ids", seq_ids, 1)
-        if ids.size == 0:
-            raise InputShapeError("seq_ids must have at least one row")
-        real = self._running(state, ids, "evict")
-        if len(np.unique(real)) != len(real):
-            raise DuplicateIdError("evict: a sequence appears twice in one call")
+        ids, real = self._batch(state, seq_ids, "evict", (SEQ_RUNNING,))
         keep = int_scalar("keep_tokens", keep_tokens, InvalidArgumentError)
         if keep < 0:
             raise InvalidArgumentError(f"keep_tokens must be >= 0, got {keep}")

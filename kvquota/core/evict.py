@@ -135,17 +135,8 @@ def evict_tokens(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
         d_blk = jnp.where(dst[0] < config.num_blocks, dst[0], config.num_blocks)
         move = lambda a: a.at[:, :, d_blk, dst[1]].set(a[:, :, src[0], src[1]], mode="drop")  # noqa: E731
         state = state.replace(pages=(jax.tree.map(move, pool0),) + s.pages[1:])
-    state, rep = settle(config, state, jnp.where(gone, pl["rows"], INVALID).ravel(), heirs)
-    report = EvictReport(
-        evicted_tokens=jnp.where(valid, pl["lens"] - pl["n_keep"], 0),
-        copied_blocks=pl["fresh"].sum(axis=1).astype(jnp.int32),
-        blocks_returned=rep["blocks_returned"],
-        quota_units_released=rep["quota_units_released"],
-        transferred_blocks=rep["transferred_blocks"],
-        pool_bytes=config.pool_bytes,
-        unit_bytes=config.unit_bytes,
-    )
-    return state, report
+    return _settle_and_report(config, state, pl, gone, heirs,
+                              jnp.where(valid, pl["lens"] - pl["n_keep"], 0))
 
 
 def plan_blocks(config: StateConfig, state: KVState, seq_ids, keep):
@@ -236,9 +227,16 @@ def evict_blocks(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
     if s.pages:
         state = state.replace(pages=copy_blocks(config, s.pages, pl["rows"].ravel(),
                                                 pl["fresh_ids"].ravel(), pl["fresh"].ravel()))
+    return _settle_and_report(config, state, pl, gone, heirs,
+                              jnp.where(valid, lens - kept_tokens, 0))
+
+
+def _settle_and_report(config, state, pl, gone, heirs, evicted):
+    """Drop the references of the `gone` entries (freeing or passing on their blocks) and
+    report the eviction."""
     state, rep = settle(config, state, jnp.where(gone, pl["rows"], INVALID).ravel(), heirs)
     report = EvictReport(
-        evicted_tokens=jnp.where(valid, lens - kept_tokens, 0),
+        evicted_tokens=evicted,
         copied_blocks=pl["fresh"].sum(axis=1).astype(jnp.int32),
         blocks_returned=rep["blocks_returned"],
         quota_units_released=rep["quota_units_released"],
