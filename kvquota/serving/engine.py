@@ -43,12 +43,16 @@ from kvquota.serving.sampling import Sampling, sample_tokens
 # Jitted model calls.
 
 
-@functools.partial(jax.jit, static_argnames=("model", "last_only"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("model", "last_only", "pool_starts"),
+                   donate_argnames=("state",))
 def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_new, positions,
-                   *, last_only: bool):
+                   *, last_only: bool, pool_starts: tuple[int, ...]):
     """One chunk over the paged state (donates `state`).
 
     seq_ids i32[B] (INVALID rows are padding), tokens/positions i32[B, T], start/num_new i32[B].
+    `pool_starts` (static): first global block id of each device pool the model reads, pool 0
+    then the compressed pools (`StateConfig.pool_starts` without the host pool, which kernels
+    never read); `(0,)` reads pool 0 alone. Only pool 0 is written back.
     Returns (state with the chunk's K/V written, logits [B, V] if last_only else [B, T, V]).
     """
     valid = seq_ids >= 0
@@ -57,7 +61,9 @@ def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_ne
     num_new = jnp.where(valid, num_new, 0)
     meta = ChunkMeta(start=start, num_new=num_new, block_tables=tables)
     pool0 = state.pages[0]
-    cache = PagedKV(k_pages=pool0.k, v_pages=pool0.v)
+    compressed = tuple((pool.k, pool.v) for pool in state.pages[1:len(pool_starts)])
+    cache = PagedKV(k_pages=pool0.k, v_pages=pool0.v, compressed=compressed,
+                    pool_starts=pool_starts)
     logits, cache = model.apply({"params": params}, tokens, positions, cache, meta, last_only)
     pool0 = pool0.replace(k=cache.k_pages, v=cache.v_pages)
     state = state.replace(pages=(pool0,) + state.pages[1:])
@@ -278,6 +284,13 @@ class PagedEngine(_Engine):
         return self.allocator.config
 
     @property
+    def pool_starts(self) -> tuple[int, ...]:
+        """First block id of each pool the model reads: pool 0 and the compressed device pools
+        (a running sequence's table may mix them; the host pool is never read)."""
+        sc = self.state_config
+        return sc.pool_starts[: 1 + len(sc.compressed_pools)]
+
+    @property
     def _capacity(self) -> int:
         """Tokens one sequence can hold: its block table's width in tokens."""
         return self.state_config.max_tokens_per_seq
@@ -356,7 +369,8 @@ class PagedEngine(_Engine):
             self.state, logits = _paged_forward(
                 self.model, self.params, self.state, jnp.asarray(seq_ids),
                 jnp.asarray(chunk_tokens), jnp.asarray(done, jnp.int32),
-                jnp.asarray(num_new), jnp.asarray(positions), last_only=last_only)
+                jnp.asarray(num_new), jnp.asarray(positions), last_only=last_only,
+                pool_starts=self.pool_starts)
             if last_only:
                 finishing = (num_new > 0) & (done + num_new == lens)
                 last[finishing] = np.asarray(logits)[finishing]
@@ -381,7 +395,8 @@ class PagedEngine(_Engine):
             self.model, self.params, self.state, jnp.asarray(rows),
             jnp.asarray(np.asarray(tokens, np.int32)[:, None]),
             jnp.asarray(start.astype(np.int32)), jnp.asarray(report.appended.astype(np.int32)),
-            jnp.asarray(position.astype(np.int32)[:, None]), last_only=True)
+            jnp.asarray(position.astype(np.int32)[:, None]), last_only=True,
+            pool_starts=self.pool_starts)
         return report, logits
 
     def free(self, seq_ids):
