@@ -1,6 +1,7 @@
 """Page storage of every pool: the `PoolPages` pytree and its zeroed allocation.
 
-Pool 0 and the host pool store full-precision arrays `[L, Hkv, N_p, P, D]`; each compressed pool
+Pool 0 and the host pool store full-precision arrays `[L, Hkv, N_p, P, D]`; a compressed pool of
+a plain low-precision format (fp8) stores such arrays in its own dtype; each other compressed pool
 stores `QuantizedPages` (the layout of `configs.formats`, shared with the kernels) whose arrays
 carry a leading `[L]` axis. The host pool lives in `pinned_host` memory wherever the device offers
 it (the CPU backend of jax >= 0.10 does, so CPU tests run the GPU's code path); kernels never read
@@ -63,7 +64,7 @@ def init_pages(config: StateConfig) -> tuple[PoolPages, ...]:
                                          one))
             pages.append(PoolPages(k=pair[0], v=pair[1]))
             continue
-        k, v = (jnp.zeros(shape, config.page_dtype) for _ in range(2))
+        k, v = (jnp.zeros(shape, jnp.dtype(fmt.dtype)) for _ in range(2))  # f32/bf16/fp8...
         if pool == config.host_pool and host_sharding() is not None:
             k, v = (jax.device_put(a, host_sharding()) for a in (k, v))
         pages.append(PoolPages(k=k, v=v))

@@ -62,6 +62,14 @@ def gather_pages(pages, block_tables: jax.Array, dtype) -> jax.Array:
     return x.reshape(h, b, m * p, d)
 
 
+def compute_dtype(q_dtype, page_dtype):
+    """The dtype a dot of q against plain pages runs in: their promotion, except that 8-bit
+    float pages (fp8), which JAX refuses to promote implicitly, are widened to q's dtype."""
+    if jnp.issubdtype(page_dtype, jnp.floating) and jnp.dtype(page_dtype).itemsize == 1:
+        return jnp.dtype(q_dtype)
+    return jnp.promote_types(q_dtype, page_dtype)
+
+
 _HIGHEST = lax.Precision.HIGHEST  # f32 stays f32 on GPU too (no TF32); free on CPU
 
 
@@ -71,7 +79,7 @@ def _chunk_logits(q_rows, k_pages, block_tables, row_pos, lengths, first_pos, sm
     -> (logits f32[Hkv, B, R, C], in_len bool[B, C]) for the C = columns * P key slots starting at
     cache position `first_pos`; invisible slots hold -inf.
     """
-    k_dtype = jnp.promote_types(q_rows.dtype, k_pages.dtype) if _plain(k_pages) else jnp.float32
+    k_dtype = compute_dtype(q_rows.dtype, k_pages.dtype) if _plain(k_pages) else jnp.float32
     k = gather_pages(k_pages, block_tables, k_dtype)
     key_pos = first_pos + jnp.arange(k.shape[2], dtype=jnp.int32)
     in_len = key_pos[None, :] < lengths[:, None]  # [B, C]
@@ -90,7 +98,7 @@ def _pool_logits(q_rows, k_pages, block_tables, row_pos, lengths, sm_scale):
     """
     h, n, p, d = k_pages.shape
     _, b, r, _ = q_rows.shape
-    dt = jnp.promote_types(q_rows.dtype, k_pages.dtype)
+    dt = compute_dtype(q_rows.dtype, k_pages.dtype)
     every = jnp.einsum("hxd,hsd->hxs", q_rows.reshape(h, b * r, d).astype(dt),
                        k_pages.reshape(h, n * p, d).astype(dt), precision=_HIGHEST,
                        preferred_element_type=jnp.float32).reshape(h, b, r, n, p)

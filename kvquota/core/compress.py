@@ -52,7 +52,10 @@ def _requantize(config: StateConfig, pool: int):
         for which in ("k", "v"):
             x = getattr(pages[0], which)[:, :, src]  # [L, Hkv, B*MB, P, D]
             role = "key" if which == "k" else "value"
-            q = jax.vmap(lambda xl, r=role: quantize_pages(xl, fmt, r))(x)
+            if fmt.quantized:
+                q = jax.vmap(lambda xl, r=role: quantize_pages(xl, fmt, r))(x)
+            else:  # a plain low-precision dtype (fp8): a cast is the whole compression
+                q = x.astype(fmt.dtype)
             out.append(jax.tree.map(lambda a, m: a.at[:, :, dst].set(m, mode="drop"),
                                     getattr(pages[pool], which), q))
         new_pool = pages[pool].replace(k=out[0], v=out[1])

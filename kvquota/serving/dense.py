@@ -11,7 +11,8 @@ import numpy as np
 
 from configs.models import ModelConfig
 from kvquota.errors import ContextTooLongError
-from kvquota.model.decoder import ChunkMeta, Decoder, DenseKV, init_dense_cache
+from kvquota.model.caches import ChunkMeta, DenseKV, init_dense_cache
+from kvquota.model.decoder import Decoder
 from kvquota.serving.engine import _Engine, _bucket, check_context
 
 

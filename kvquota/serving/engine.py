@@ -35,7 +35,8 @@ import numpy as np
 
 from configs.models import ModelConfig
 from kvquota.errors import ContextTooLongError
-from kvquota.model.decoder import ChunkMeta, Decoder, PagedKV
+from kvquota.model.caches import ChunkMeta, PagedKV
+from kvquota.model.decoder import Decoder
 from kvquota.sentinel import INVALID
 from kvquota.serving.sampling import Sampling, sample_tokens
 

@@ -24,6 +24,7 @@ import pytest
 from configs.models import get_model_config
 from kernels.quantization import dequantize_pages, quantize_kv
 from kvquota import model as M
+from kvquota.model import caches as C
 from kvquota.model import decoder as D
 from kvquota.sentinel import INVALID
 from kvquota.serving import engine as E
@@ -273,7 +274,7 @@ def test_pool_tables_compacts_each_pool_in_order():
                          [30, 21, 2, 13, 9, 1],
                          [INVALID] * 6], jnp.int32)
     lengths = jnp.asarray([38, 20, 27, 0], jnp.int32)  # row 2: columns 0-3 held (3 full + 3)
-    pt = D.pool_tables(table, lengths, (0, 10, 20), (10, 4, 4), P)
+    pt = C.pool_tables(table, lengths, (0, 10, 20), (10, 4, 4), P)
     I = INVALID
     want_tables = [
         [[3, 4, I, I, I, I], [5, 6, 7, I, I, I], [2, I, I, I, I, I], [I] * 6],
@@ -290,10 +291,10 @@ def test_layout_checked():
     k = jnp.zeros((1, 1, 4, P, 16))
     q = jnp.zeros((1, 1, 2, P, 16))
     with pytest.raises(ValueError, match="inside pool 0"):
-        D.PagedKV(k, k, compressed=((q, q),), pool_starts=(0, 3)).check_layout()
+        C.PagedKV(k, k, compressed=((q, q),), pool_starts=(0, 3)).check_layout()
     with pytest.raises(ValueError, match="one entry per pool"):
-        D.PagedKV(k, k, compressed=((q, q),)).check_layout()
-    D.PagedKV(k, k, compressed=((q, q),), pool_starts=(0, 4)).check_layout()
+        C.PagedKV(k, k, compressed=((q, q),)).check_layout()
+    C.PagedKV(k, k, compressed=((q, q),), pool_starts=(0, 4)).check_layout()
 
 
 # ---- the single-pool path is the one from before mixed pools -------------------------------
@@ -314,7 +315,7 @@ def _legacy_write(cache, layer, k, v, meta):
         k.astype(cache.k_pages.dtype), mode="drop")
     new_v = cache.v_pages.at[layer, :, block, offset, :].set(
         v.astype(cache.v_pages.dtype), mode="drop")
-    return D.PagedKV(k_pages=new_k, v_pages=new_v)
+    return C.PagedKV(k_pages=new_k, v_pages=new_v)
 
 
 def _legacy_attend(cache, layer, q, meta, sm_scale, backend):
@@ -338,8 +339,8 @@ def _apply(model_obj, params, state, ids, tokens, start, num_new):
     """The model on pool 0 of `state`, as the engine builds it, freshly traced (so a patched
     module function is the one used)."""
     tables = state.seqs.block_tables[ids]
-    meta = D.ChunkMeta(start=start, num_new=num_new, block_tables=tables)
-    cache = D.PagedKV(k_pages=state.pages[0].k, v_pages=state.pages[0].v)
+    meta = C.ChunkMeta(start=start, num_new=num_new, block_tables=tables)
+    cache = C.PagedKV(k_pages=state.pages[0].k, v_pages=state.pages[0].v)
     fn = jax.jit(lambda p, c, m: model_obj.apply({"params": p}, tokens, start[:, None]
                                                  + jnp.arange(tokens.shape[1])[None, :], c, m))
     logits, cache = fn(params, cache, meta)

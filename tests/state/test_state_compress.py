@@ -98,3 +98,20 @@ def test_bad_compress_raises_and_leaves_state_unchanged(name, error, call):
     with pytest.raises(error):
         call(alloc, s)
     assert leaves_equal(before, s)
+
+
+def test_compress_into_a_plain_fp8_pool_is_a_cast():
+    import dataclasses
+
+    config = dataclasses.replace(TINY, compressed_pools=(("fp8", 4),))
+    alloc, s = fresh(config)
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5])]))
+    s = _with_pages(alloc, s)
+    old = np.asarray(s.pages[0].k)[:, :, _ints(s.seqs.block_tables[0])[0]]
+    s, rep = alloc.compress(s, [0, INVALID], kv_format="fp8", keep_recent=1)
+    alloc.check(s)
+    assert rep.blocks_compressed == 2 and rep.net_device_bytes_returned == 2 * (BLOCK - BLOCK // 4)
+    local = _ints(s.seqs.block_tables[0])[0] - config.pool_starts[1]
+    got = np.asarray(s.pages[1].k[:, :, local])
+    assert got.dtype == jnp.float8_e4m3fn
+    assert np.array_equal(got.astype(np.float32), old.astype(jnp.float8_e4m3fn).astype(np.float32))

@@ -28,6 +28,16 @@ def test_every_pool_has_pages_whose_bytes_are_what_the_ledger_charges():
     assert pages[1].k.data.dtype == jnp.int8 and pages[1].k.kv_format.name == "int8"
 
 
+def test_a_plain_low_precision_pool_is_stored_in_its_own_dtype():
+    import dataclasses
+
+    config = dataclasses.replace(TINY, compressed_pools=(("int8", 4), ("fp8", 4)))
+    pages = init_pages(config)
+    assert pages[2].k.dtype == jnp.float8_e4m3fn
+    for pool, pp in enumerate(pages):
+        assert _pool_nbytes(pp) == config.pool_sizes[pool] * config.pool_bytes[pool], pool
+
+
 def test_metadata_only_state_has_no_pages():
     import dataclasses
 

@@ -1,0 +1,323 @@
+"""KV caches the decoder reads and writes: their pytrees, writes and attention.
+
+Two caches share one model (`kvquota.model.decoder.Decoder`):
+
+  * `DenseKV`: a contiguous cache `[L, B, Hkv, S, D]`, row b of the batch = sequence b. The
+    reference the paged path is tested against.
+  * `PagedKV`: the functional state's device page pools: pool 0 `[L, Hkv, N0, P, D]` (full
+    precision, the only one written) and, read only, each compressed pool (`QuantizedPages` or
+    plain low-precision arrays with a leading [L] axis). Token at cache index i of a sequence
+    lives at global block `block_table[i // P]`, slot `i % P`; a block's page is its id minus
+    its pool's first id. Attention runs through `kernels.paged_attention` (`prefill` for
+    chunks, `decode` when T == 1).
+
+Mixed pools (DESIGN.md §2 "Pools per precision"). Attention over a set of cached keys does not
+depend on their order (RoPE is applied before K is cached), so a sequence whose table mixes
+pools is attended per pool and the parts merged by their log-sum-exp (`merge_attention`). Once
+per forward call (`pool_tables`) each pool gets its own table: the sequence's entries that lie
+in the pool, compacted to the front in order, as local page ids, with the tokens they hold.
+Compressed blocks are full and older than the chunk, so every query row sees all of them (a
+decode call with the chunk's tokens folded into the query rows); pool 0 holds the chunk, and
+its causal mask is kept by shifting the chunk's start by the tokens that sit in other pools
+(all of them precede the chunk, so a pool-0 key keeps its order against every query). A pool a
+sequence holds nothing of contributes lse = -inf (weight 0); a pool nobody in the batch holds
+is skipped at run time (`lax.cond`). With no compressed pool the path is the single-pool one,
+unchanged: the raw table, one kernel call, no merge.
+
+Both writes drop padding tokens by pointing them out of bounds (`mode="drop"`); the sentinel
+(negative) is never used as an index, since negative indices would wrap around. Paged writes go
+to pool 0 only: a block id outside pool 0 (a compressed block: never the tail for a correct
+caller) is out of bounds there and dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from configs.models import ModelConfig
+from kvquota.sentinel import INVALID
+
+
+# --------------------------------------------------------------------------------------------
+# Caches and chunk metadata (pytrees of arrays only).
+
+
+@flax.struct.dataclass
+class DenseKV:
+    """Contiguous KV cache, one row per sequence of the batch."""
+
+    k: jax.Array  # f[L, B, Hkv, S, D]
+    v: jax.Array  # f[L, B, Hkv, S, D]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+
+def _blocks_of(pages) -> int:
+    """Blocks of one pool's K or V (block axis 2 in every array of every pool)."""
+    return jax.tree_util.tree_leaves(pages)[0].shape[2]
+
+
+def _at_layer(pages, layer):
+    """One layer of a pool's K or V: `QuantizedPages` or a plain array, [L] axis dropped."""
+    return jax.tree_util.tree_map(lambda a: a[layer], pages)
+
+
+@flax.struct.dataclass
+class PagedKV:
+    """The device page pools of the functional state.
+
+    Attributes:
+      k_pages, v_pages: pool 0, full precision, f[L, Hkv, N0, P, D] (block id == page index);
+        the only pool the model writes.
+      compressed: ((k, v), ...) for each compressed device pool in pool order, read only: each
+        `kernels.quantization.QuantizedPages` whose arrays carry a leading [L] axis, or a plain
+        low-precision array [L, Hkv, N_p, P, D] (fp8). Empty: the single-pool path.
+      pool_starts: (static) first global block id of pool 0 (always 0) and of each compressed
+        pool; a block's page in pool p is `id - pool_starts[p]`. Pool sizes come from the arrays.
+    """
+
+    k_pages: jax.Array  # f[L, Hkv, N0, P, D]
+    v_pages: jax.Array  # f[L, Hkv, N0, P, D]
+    compressed: tuple = ()
+    pool_starts: tuple[int, ...] = flax.struct.field(pytree_node=False, default=(0,))
+
+    @property
+    def pool_sizes(self) -> tuple[int, ...]:
+        """Blocks of pool 0 and of each compressed pool."""
+        return (self.k_pages.shape[2],) + tuple(_blocks_of(k) for k, _ in self.compressed)
+
+    def check_layout(self) -> None:
+        """Raises ValueError unless the static pool layout fits the arrays (pool 0 first at id 0,
+        one start per pool, ranges disjoint and increasing). Shapes only: runs under jit."""
+        starts, sizes = tuple(self.pool_starts), self.pool_sizes
+        if len(starts) != len(sizes) or not starts or starts[0] != 0:
+            raise ValueError(f"pool_starts {starts} must start at 0 with one entry per pool "
+                             f"(pool 0 + {len(self.compressed)} compressed)")
+        for p in range(1, len(starts)):
+            if starts[p] < starts[p - 1] + sizes[p - 1]:
+                raise ValueError(f"pool {p} starts at {starts[p]}, inside pool {p - 1} "
+                                 f"[{starts[p - 1]}, {starts[p - 1] + sizes[p - 1]})")
+
+
+@flax.struct.dataclass
+class PoolTables:
+    """Per-pool block tables of one chunk (see `pool_tables`), derived once per forward call.
+
+    tables[p]: i32[B, M] local page ids of the sequence's blocks in pool p, compacted to the
+    front in table order, INVALID past them; lengths[p]: i32[B] tokens those blocks hold.
+    """
+
+    tables: tuple
+    lengths: tuple
+
+
+def pool_tables(block_tables, lengths, pool_starts, pool_sizes, page_size: int) -> PoolTables:
+    """Splits global block tables i32[B, M] (sequences of `lengths` i32[B] tokens) by pool.
+
+    Only the entries holding tokens (column j < ceil(length / P)) count; an entry in no given
+    pool (the sentinel, a host block) counts in none. Block j holds min(P, length - j*P) tokens.
+    """
+    b, m = block_tables.shape
+    col = jnp.arange(m, dtype=jnp.int32)
+    held = jnp.clip(lengths[:, None] - col[None, :] * page_size, 0, page_size)  # [B, M]
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, m))
+    tables, lens = [], []
+    for start, size in zip(pool_starts, pool_sizes):
+        inside = (held > 0) & (block_tables >= start) & (block_tables < start + size)
+        dest = jnp.cumsum(inside.astype(jnp.int32), axis=1) - 1
+        dest = jnp.where(inside, dest, m)  # others out of bounds -> dropped
+        local = jnp.full((b, m), INVALID, jnp.int32).at[rows, dest].set(
+            block_tables - start, mode="drop")
+        tables.append(local)
+        lens.append(jnp.sum(jnp.where(inside, held, 0), axis=1).astype(jnp.int32))
+    return PoolTables(tables=tuple(tables), lengths=tuple(lens))
+
+
+@flax.struct.dataclass
+class ChunkMeta:
+    """Where a chunk of T tokens per sequence sits in the cache."""
+
+    start: jax.Array  # i32[B]: cache index of the chunk's first token (= tokens cached before)
+    num_new: jax.Array  # i32[B]: real tokens in the chunk (0..T); the rest is padding
+    block_tables: Any = None  # i32[B, M] for PagedKV (INVALID past the sequence), else None
+    pools: Any = None  # PoolTables when PagedKV has compressed pools (set by Decoder), else None
+
+    @property
+    def lengths(self) -> jax.Array:
+        """i32[B]: cached tokens once the chunk is written."""
+        return self.start + self.num_new
+
+
+def init_dense_cache(config: ModelConfig, batch: int, capacity: int, dtype=jnp.float32):
+    """A zeroed `DenseKV` for `batch` sequences of up to `capacity` tokens."""
+    shape = (config.num_layers, batch, config.num_kv_heads, capacity, config.head_dim)
+    return DenseKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Cache writes and attention.
+
+
+def _dense_write(cache: DenseKV, layer, k, v, meta: ChunkMeta) -> DenseKV:
+    """Writes k, v [B, T, Hkv, D] at cache indices start + t of layer `layer`."""
+    batch, chunk = k.shape[:2]
+    idx = meta.start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [B, T]
+    real = jnp.arange(chunk, dtype=jnp.int32)[None, :] < meta.num_new[:, None]
+    idx = jnp.where(real, idx, cache.capacity)  # out of bounds -> dropped
+    rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], idx.shape)
+    new_k = cache.k.at[layer, rows, :, idx, :].set(k.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[layer, rows, :, idx, :].set(v.astype(cache.v.dtype), mode="drop")
+    return DenseKV(k=new_k, v=new_v)
+
+
+def _dense_attend(cache: DenseKV, layer, q, meta: ChunkMeta, sm_scale: float):
+    """Causal GQA attention of q [B, T, Hq, D] over the dense layer cache -> [B, T, Hq, D].
+
+    The G = Hq / Hkv query heads of a KV head are folded with the chunk's tokens into
+    R = T * G rows (row r = t * G + g), so each (sequence, KV head) is one [R, D] x [D, S]
+    product rather than G thin ones; with the late normalization below, a 512-token chunk at
+    2K context spends ~2.3x less time here on CPU than a per-head einsum + softmax did.
+    """
+    batch, chunk, q_heads, head_dim = q.shape
+    k, v = cache.k[layer], cache.v[layer]  # [B, Hkv, S, D]
+    kv_heads = k.shape[1]
+    group = q_heads // kv_heads
+    rows = q.reshape(batch, chunk, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    rows = rows.reshape(batch, kv_heads, chunk * group, head_dim).astype(jnp.float32)
+    scores = jnp.einsum("bkrd,bksd->bkrs", rows, k.astype(jnp.float32)) * sm_scale
+    q_idx = meta.start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [B, T]
+    q_idx = jnp.repeat(q_idx, group, axis=1)  # [B, R]
+    k_idx = jnp.arange(cache.capacity, dtype=jnp.int32)  # [S]
+    visible = (k_idx[None, None, :] <= q_idx[:, :, None]) & (
+        k_idx[None, None, :] < meta.lengths[:, None, None]
+    )  # [B, R, S]
+    scores = jnp.where(visible[:, None], scores, -jnp.inf)
+    # Softmax normalized after the value product (divide [R, D], not [R, S]). A padding row
+    # may see no key at all: its max is -inf, so it is given 0 and its output is 0.
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)  # [B, Hkv, R, 1]
+    out = jnp.einsum("bkrs,bksd->bkrd", weights, v.astype(jnp.float32))  # [B, Hkv, R, D]
+    out = out / jnp.where(total > 0, total, 1.0)
+    out = out.reshape(batch, kv_heads, chunk, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(batch, chunk, q_heads, head_dim)
+
+
+def _paged_write(cache: PagedKV, layer, k, v, meta: ChunkMeta) -> PagedKV:
+    """Writes k, v [B, T, Hkv, D] into pool-0 pages (block_table[i // P], i % P), i = start + t.
+
+    Only pool 0 is written: a block id outside [0, N0) (the sentinel, a compressed block) is
+    dropped, as padding is.
+    """
+    chunk = k.shape[1]
+    num_blocks, page = cache.k_pages.shape[2], cache.k_pages.shape[3]
+    idx = meta.start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [B, T]
+    real = jnp.arange(chunk, dtype=jnp.int32)[None, :] < meta.num_new[:, None]
+    max_blocks = meta.block_tables.shape[1]
+    slot_of = jnp.clip(idx // page, 0, max_blocks - 1)
+    block = jnp.take_along_axis(meta.block_tables, slot_of, axis=1)  # [B, T]
+    # padding / sentinel -> N0; ids >= N0 (other pools) are out of bounds: both dropped
+    block = jnp.where(real & (block >= 0), block, num_blocks)
+    offset = idx % page
+    new_k = cache.k_pages.at[layer, :, block, offset, :].set(
+        k.astype(cache.k_pages.dtype), mode="drop"
+    )
+    new_v = cache.v_pages.at[layer, :, block, offset, :].set(
+        v.astype(cache.v_pages.dtype), mode="drop"
+    )
+    return cache.replace(k_pages=new_k, v_pages=new_v)
+
+
+def _fold(chunk: int, group: int, backend: str) -> int:
+    """Chunk tokens folded into one decode row block by `_attend_all`: all of them on the
+    reference path (one table walk per sequence); on the Pallas kernel the largest divisor of
+    the chunk with at most 64 rows, the prefill kernel's own row-block cap (the rest of the
+    chunk goes to the batch axis, each copy re-reading the pool's pages)."""
+    from kernels.paged_attention import resolve_backend
+
+    if resolve_backend(backend) == "reference":
+        return chunk
+    cap = max(1, 64 // group)
+    return max(f for f in range(1, min(chunk, cap) + 1) if chunk % f == 0)
+
+
+def _attend_all(q, k_pages, v_pages, tables, lengths, sm_scale: float, backend: str):
+    """Every query row of q [B, T, Hq, D] against every cached key of a pool (keys that all
+    precede the chunk: compressed blocks) -> (out [B, T, Hq, D], lse f32[B, T, Hq]).
+
+    Through `paged_attention.decode`, whose query sits past every key: the T tokens are folded
+    into the query rows of their KV head ([B*T/f, Hkv*f*G, D], f = `_fold`). The prefill kernel
+    cannot be used, since its rows see only keys up to their own position and its lengths
+    bound the query positions too. Sequences with no block here give zeros and lse = -inf; when
+    no sequence of the batch has one the kernel is skipped (`lax.cond`).
+    """
+    from kernels import paged_attention
+
+    b, t, hq, d = q.shape
+    hkv = jax.tree_util.tree_leaves(k_pages)[0].shape[0]
+    g = hq // hkv
+    f = _fold(t, g, backend)
+    n = t // f
+    qf = q.reshape(b, n, f, hkv, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(b * n, hkv * f * g, d)
+    rep_tables = jnp.repeat(tables, n, axis=0) if n > 1 else tables
+    rep_lengths = jnp.repeat(lengths, n) if n > 1 else lengths
+
+    def run():
+        out, aux = paged_attention.decode(qf, k_pages, v_pages, rep_tables, rep_lengths,
+                                          sm_scale=sm_scale, return_lse=True, backend=backend)
+        return out, aux.lse
+
+    def empty():
+        return jnp.zeros(qf.shape, q.dtype), jnp.full(qf.shape[:2], -jnp.inf, jnp.float32)
+
+    out, lse = lax.cond(jnp.any(lengths > 0), run, empty)
+    out = out.reshape(b, n, hkv, f, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(b, t, hq, d)
+    lse = lse.reshape(b, n, hkv, f, g).transpose(0, 1, 3, 2, 4).reshape(b, t, hq)
+    return out, lse
+
+
+def _paged_attend(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: float, backend: str):
+    """Attention through `kernels.paged_attention` for q [B, T, Hq, D] -> [B, T, Hq, D]."""
+    from kernels import paged_attention  # local: the model module imports without kernels
+
+    k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]  # [Hkv, N, P, D]
+    if not cache.compressed:  # the single-pool path: the raw table, one call
+        if q.shape[1] == 1:
+            out = paged_attention.decode(
+                q[:, 0], k_pages, v_pages, meta.block_tables, meta.lengths,
+                sm_scale=sm_scale, backend=backend,
+            )
+            return out[:, None]
+        return paged_attention.prefill(
+            q, k_pages, v_pages, meta.block_tables, meta.lengths, meta.start,
+            sm_scale=sm_scale, backend=backend,
+        )
+    pools = meta.pools
+    tables0, lengths0 = pools.tables[0], pools.lengths[0]
+    if q.shape[1] == 1:  # the query is the last pool-0 token
+        out0, aux0 = paged_attention.decode(
+            q[:, 0], k_pages, v_pages, tables0, lengths0,
+            sm_scale=sm_scale, return_lse=True, backend=backend,
+        )
+        outs, lses = [out0[:, None]], [aux0.lse[:, None]]
+    else:  # every other pool's tokens precede the chunk: shift it by their count
+        start0 = meta.start - (meta.lengths - lengths0)
+        out0, aux0 = paged_attention.prefill(
+            q, k_pages, v_pages, tables0, lengths0, start0,
+            sm_scale=sm_scale, return_lse=True, backend=backend,
+        )
+        outs, lses = [out0], [aux0.lse]
+    for p, (kp, vp) in enumerate(cache.compressed, start=1):
+        out, lse = _attend_all(q, _at_layer(kp, layer), _at_layer(vp, layer), pools.tables[p],
+                               pools.lengths[p], sm_scale, backend)
+        outs.append(out)
+        lses.append(lse)
+    out, _ = paged_attention.merge_attention(outs, lses)
+    return out
