@@ -24,8 +24,10 @@ time / plain copy time). Bytes come exactly from the reports (MoveReport, Compre
 are checked against the ledger before and after (`Allocator.ledger`: free blocks and charged
 blocks per pool); `Allocator.check` runs once on each op's result, outside the timing.
 
-Writes a run directory (experiments/runs.py): one point per model setup and per op, the summary,
-and one plot (tiers.png).
+A failed op (or a model's failed setup) is recorded as data, an "error", and the rest go on.
+Ctrl-C (SIGINT) writes what was measured as a summary marked `"partial": true` (exit status
+130). Writes a run directory (experiments/runs.py): one point per model setup and per op, the
+summary, and one plot (tiers.png); --out also writes the summary to a file.
 """
 
 from __future__ import annotations
@@ -302,8 +304,10 @@ def compress_record(config, rep, delta, pool: int) -> dict:
     return record
 
 
-def run_model(model: str, opts: dict, on_point) -> dict:
-    """Every op at one model's geometry; a failed op is recorded (error) and the rest go on."""
+def run_model(model: str, opts: dict, on_point, result: dict | None = None) -> dict:
+    """Every op at one model's geometry, filling `result` as it goes (an interrupted run keeps
+    what was measured); a failed op is recorded (error) and the rest go on."""
+    result = {} if result is None else result
     config = make_config(model, seqs=opts["seqs"], seq_tokens=opts["seq_tokens"],
                          block_size=opts["block_size"], formats=opts["formats"],
                          scrub_on_free=opts["scrub_on_free"])
@@ -326,17 +330,22 @@ def run_model(model: str, opts: dict, on_point) -> dict:
         "setup_seconds": time.perf_counter() - t0,
     }
     on_point({"kind": "setup", **setup})
-    result = {"setup": setup, "offload": None, "restore": None, "compress": {}}
+    result.update(setup=setup, offload=None, restore=None, compress={})
     repeats = opts["repeats"]
 
     def attempt(op, fmt, body):
+        """Runs one op into the result (stored before its point is written: an interrupt
+        there keeps it)."""
         try:
             record = body()
         except Exception as error:  # a failure is data: the other ops go on
             record = {"error": f"{type(error).__name__}: {error}"[:300]}
-        on_point({"kind": "op", "model": model, "op": op, "format": fmt, **record})
+        if fmt is None:
+            result[op] = record
+        else:
+            result[op][fmt] = record
         print(f"[{model}] {op}{' ' + fmt if fmt else ''}: {_line(record)}", file=sys.stderr)
-        return record
+        on_point({"kind": "op", "model": model, "op": op, "format": fmt, **record})
 
     offloaded = {}
 
@@ -378,11 +387,11 @@ def run_model(model: str, opts: dict, on_point) -> dict:
         record["blocks_as_expected"] = rep.blocks_compressed == expected_compressed(opts)
         return {**record, "checked": True, "reports_consistent": same, **_timing(seconds)}
 
-    result["offload"] = attempt("offload", None, offload)
-    result["restore"] = attempt("restore", None, restore)
+    attempt("offload", None, offload)
+    attempt("restore", None, restore)
     offloaded.clear()
     for fmt in opts["formats"]:
-        result["compress"][fmt] = attempt("compress", fmt, lambda f=fmt: compress(f))
+        attempt("compress", fmt, lambda f=fmt: compress(f))
     return result
 
 
@@ -415,13 +424,21 @@ def run(opts: dict, on_point=lambda point: None) -> dict:
     result = {"models": {}, "partial": False}
     try:
         for model in opts["models"]:
-            result["models"][model] = run_model(model, opts, on_point)
+            per = result["models"][model] = {}
+            try:
+                run_model(model, opts, on_point, per)
+            except Exception as error:  # setup failed (out of memory, ...): the next model goes on
+                per["error"] = f"{type(error).__name__}: {error}"[:300]
+                on_point({"kind": "setup", "model": model, "error": per["error"]})
+                print(f"[{model}] setup failed: {per['error']}", file=sys.stderr)
     except KeyboardInterrupt:
         result.update(partial=True)
         cli.note("interrupted: writing what was measured, marked partial")
     records = [r for *_, r in _records(result)]
-    result["failed_ops"] = [f"{m} {op}{' ' + f if f else ''}" for m, op, f, r in _records(result)
-                            if "error" in r]
+    result["failed_ops"] = [f"{m} setup" for m, per in result["models"].items()
+                            if "error" in per]
+    result["failed_ops"] += [f"{m} {op}{' ' + f if f else ''}" for m, op, f, r in _records(result)
+                             if "error" in r]
     result["all_bytes_match_ledger"] = bool(records) and all(
         r.get("bytes_match_ledger") for r in records)
     result["all_checked"] = bool(records) and all(r.get("checked") for r in records)
@@ -474,8 +491,10 @@ def plot(points, metrics, out_dir) -> list[str]:
 
 
 def describe(summary: dict) -> str:
-    lines = [f"{model} {op}{' ' + fmt if fmt else ''}: {_line(record)}"
-             for model, op, fmt, record in _records(summary)]
+    lines = [f"{model} setup failed: {per['error']}"
+             for model, per in summary.get("models", {}).items() if "error" in per]
+    lines += [f"{model} {op}{' ' + fmt if fmt else ''}: {_line(record)}"
+              for model, op, fmt, record in _records(summary)]
     if summary.get("partial"):
         lines.append("PARTIAL: interrupted")
     return "\n".join(lines)
@@ -502,8 +521,15 @@ def main(argv):
     if expected_compressed(opts) == 0:
         raise cli.BadInput(f"--keep_recent={opts['keep_recent']} leaves no full block of "
                            f"--seq_tokens={opts['seq_tokens']} to compress")
-    runs.execute("bench_tiers", opts, lambda add_point: run(opts, add_point), seed=opts["seed"],
-                 plot=plot, describe=describe)
+    measured = {}
+
+    def measure(add_point):
+        measured.update(run(opts, add_point))
+        return measured
+
+    runs.execute("bench_tiers", opts, measure, seed=opts["seed"], plot=plot, describe=describe)
+    if measured.get("partial"):
+        sys.exit(130)  # interrupted: the partial summary is written and printed
 
 
 if __name__ == "__main__":

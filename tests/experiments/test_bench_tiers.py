@@ -183,3 +183,36 @@ def test_bad_invocation_exits_2_with_one_line(bad_results, args, message):
 @pytest.mark.parametrize("args,message", MORE_BAD, ids=_ids(MORE_BAD))
 def test_more_bad_invocations(more_bad_results, args, message):
     _check_bad(more_bad_results[tuple(args)], message)
+
+
+SMALL = dict(models=["smollm2-135m"], formats=["int8"], seqs=1, seq_tokens=40, block_size=16,
+             keep_recent=8, repeats=1, scrub_on_free=False, seed=0)
+
+
+def test_ctrl_c_keeps_what_was_measured_and_marks_it_partial():
+    points = []
+
+    def on_point(point):
+        points.append(point)
+        if point.get("op") == "offload":
+            raise KeyboardInterrupt
+
+    result = bt.run(SMALL, on_point)
+    assert result["partial"] is True
+    per = result["models"]["smollm2-135m"]
+    assert per["offload"]["bytes_match_ledger"] and per["restore"] is None
+    assert per["compress"] == {} and result["all_bytes_match_ledger"] is True
+    assert "m restore" not in bt.describe(result) and "PARTIAL" in bt.describe(result)
+
+
+def test_a_failed_setup_is_data(monkeypatch):
+    def broken(*args, **kwargs):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(bt, "build_state", broken)
+    points = []
+    result = bt.run({**SMALL, "models": ["smollm2-135m", "tiny-qwen"]}, points.append)
+    assert result["failed_ops"] == ["smollm2-135m setup", "tiny-qwen setup"]
+    assert result["partial"] is False and result["all_bytes_match_ledger"] is False
+    assert [p["kind"] for p in points] == ["setup", "setup"] and "injected" in points[0]["error"]
+    assert "smollm2-135m setup failed: MemoryError: injected" in bt.describe(result)
