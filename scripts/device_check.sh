@@ -7,6 +7,8 @@
 #      Qwen2.5-7B-like shape with NaN in every unused slot -> int8_check.json;
 #   3. a narrowed kernel test selection, lowered through Triton (tests interpret only off GPU),
 #      then the CUDA lowering tests with the GPU hidden (jax 0.11's deviceless route);
+#   3c. the tier-ops benchmark at Qwen2.5-7B geometry (offload against a real device ->
+#      pinned_host copy, restore, compress into each quantized pool);
 #   4. the benchmark's knob sweep, only with the time left.
 # Everything lands in $OUT; status.txt has one "step rc seconds" line per step, as it goes.
 #
@@ -139,6 +141,13 @@ step tests 130 40 tests_kernels.log \
 step lowering_no_gpu 40 15 tests_lowering_no_gpu.log \
   env JAX_PLATFORMS=cpu "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_gpu_lowering.py
 
+# 3c. Tier ops (experiments/bench_tiers.py): offload/restore/compress timed beside a plain
+# device copy and a device <-> pinned_host put of the same bytes, bytes checked against the
+# ledger; one model to keep it short. Ctrl-C (the timeout's SIGINT) still writes a partial summary.
+step bench_tiers 70 30 bench_tiers.log \
+  "$PY" -m experiments.bench_tiers --json --models qwen2.5-7b --repeats 5 \
+  --runs_dir "$OUT/runs" --out "$OUT/bench_tiers.json"
+
 # 4. Knob sweep (pages_per_block x k_splits x num_warps), only with the time left.
 step bench_sweep 60 30 bench_attention_gpu_sweep.log \
   "$PY" -m experiments.bench_attention --json --skip_cpu --gpu_sweep --repeats 10 \
@@ -150,4 +159,5 @@ tail -n 3 "$OUT/bench_attention_gpu.log" 2>/dev/null
 tail -n 4 "$OUT/int8_check.log" 2>/dev/null
 tail -n 5 "$OUT/tests_kernels.log" 2>/dev/null
 tail -n 3 "$OUT/tests_lowering_no_gpu.log" 2>/dev/null
+grep '^\[' "$OUT/bench_tiers.log" 2>/dev/null | tail -n 6
 exit 0
