@@ -6,14 +6,15 @@
 
 At the KV geometry of each model (default SmolLM2-135M and Qwen2.5-7B: layers, KV heads,
 head_dim), one state with a bf16 pool 0, one compressed pool per --formats entry and a host pool
-(in `pinned_host` memory where the backend has it): one tenant, --seqs sequences of --seq_tokens
+(in `pinned_host` memory where the backend has it; it holds every sequence exactly, so its
+watermark alarm rings after the offload): one tenant, --seqs sequences of --seq_tokens
 random token ids admitted, the pool-0 pages of their blocks filled with random values. Then,
 through the public facade with `donate=True`,
 
   * offload: every sequence's own blocks to the host pool (`Allocator.offload`),
   * restore: all of them back to pool 0 (`Allocator.restore`, from the offloaded state),
-  * compress: every full block outside the --keep_recent most recent tokens into each quantized
-    pool (`Allocator.compress`, oldest first),
+  * compress: every full block outside the --keep_recent most recent tokens into each
+    compressed pool (`Allocator.compress`, oldest first; quantized formats, and fp8 as a cast),
 
 each timed as the median of --repeats calls, every call on a fresh copy of its input state
 (the copy untimed; one untimed call first compiles). Beside each op, in the same loop
@@ -46,8 +47,16 @@ from experiments import cli, runs
 
 FLAGS = flags.FLAGS
 MiB = 1 << 20
-DEFAULT_FORMATS = [name for name in ("int8", "int4", "kivi4", "kivi2") if name in kq.KV_FORMATS]
-QUANTIZED = [name for name, fmt in kq.KV_FORMATS.items() if fmt.quantized]
+POOL0_FORMAT = "bf16"
+
+
+def _compresses(fmt) -> bool:
+    """A format bf16 pages are compressed into: quantized, or a narrower float (fp8: a cast)."""
+    return fmt.quantized or fmt.element_bytes < kq.get_kv_format(POOL0_FORMAT).element_bytes
+
+
+COMPRESSED = [name for name, fmt in kq.KV_FORMATS.items() if _compresses(fmt)]
+DEFAULT_FORMATS = [n for n in ("int8", "int4", "kivi4", "kivi2", "fp8") if n in COMPRESSED]
 TENANT = 0
 BASELINE_CALLS = 3  # plain copies timed after each op call (cheap; steadies their median)
 
@@ -57,7 +66,8 @@ def define_flags():
                       f"Model presets whose KV geometry is used, some of: {', '.join(kq.MODELS)}.")
     flags.register_validator("models", _check_models)
     flags.DEFINE_list("formats", DEFAULT_FORMATS,
-                      f"Compressed pools (quantized formats), some of: {', '.join(QUANTIZED)}.")
+                      f"Compressed pools (quantized or 8-bit float), some of: "
+                      f"{', '.join(COMPRESSED)}.")
     flags.register_validator("formats", _check_formats)
     flags.DEFINE_integer("seqs", 4, "Sequences admitted (one tenant).", lower_bound=1,
                          upper_bound=256)
@@ -89,16 +99,16 @@ def _check_models(values) -> bool:
 
 def _check_formats(values) -> bool:
     if not values:
-        raise flags.ValidationError("--formats needs at least one quantized format")
+        raise flags.ValidationError("--formats needs at least one compressed format")
     for name in values:
         try:
             fmt = kq.get_kv_format(name)
         except ValueError as error:
             raise flags.ValidationError(str(error)) from None
-        if not fmt.quantized:
+        if not _compresses(fmt):
             raise flags.ValidationError(
-                f"kv_format {name!r} is not quantized (compress writes a quantized pool); use "
-                f"some of: {', '.join(QUANTIZED)}")
+                f"kv_format {name!r} is neither quantized nor narrower than pool 0's "
+                f"{POOL0_FORMAT}: nothing to compress into; use some of: {', '.join(COMPRESSED)}")
     if len(set(values)) != len(values):
         raise flags.ValidationError(f"--formats lists a format twice: {','.join(values)}")
     return True
@@ -118,7 +128,7 @@ def make_config(model: str, *, seqs, seq_tokens, block_size, formats, scrub_on_f
     used = seqs * per_seq
     return kq.StateConfig(
         kq.get_model_config(model), num_blocks=used + seqs, block_size=block_size,
-        max_seqs=seqs, max_blocks_per_seq=per_seq, num_tenants=1, kv_format="bf16",
+        max_seqs=seqs, max_blocks_per_seq=per_seq, num_tenants=1, kv_format=POOL0_FORMAT,
         compressed_pools=tuple((name, used) for name in formats), host_blocks=used,
         scrub_on_free=scrub_on_free)
 

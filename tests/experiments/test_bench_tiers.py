@@ -14,7 +14,8 @@ from experiments import bench_tiers as bt
 from experiments import runs
 from tests.experiments.common import run_cli
 
-TINY_ARGS = dict(seqs=2, seq_tokens=40, keep_recent=8, formats=["int8", "kivi2"])
+FORMATS = ["int8", "kivi2", "fp8"]  # a symmetric, an asymmetric and a plain-float pool
+TINY_ARGS = dict(seqs=2, seq_tokens=40, keep_recent=8, formats=FORMATS)
 
 
 def test_tiny_run_json_contract_and_bytes_match_the_ledger(tmp_path):
@@ -33,12 +34,12 @@ def test_tiny_run_json_contract_and_bytes_match_the_ledger(tmp_path):
     assert summary["all_bytes_match_ledger"] is True and summary["all_checked"] is True
     model = summary["models"]["smollm2-135m"]
     assert set(model) == {"setup", "offload", "restore", "compress"}
-    assert set(model["compress"]) == {"int8", "kivi2"}
+    assert set(model["compress"]) == set(FORMATS)
 
     # Bytes recomputed here from the config: 2 sequences of 40 tokens hold 3 blocks each; the
     # full blocks wholly before the last 8 tokens are 2 per sequence.
     config = bt.make_config("smollm2-135m", seqs=2, seq_tokens=40, block_size=16,
-                            formats=["int8", "kivi2"])
+                            formats=FORMATS)
     pb, host = config.pool_bytes, config.host_pool
     assert [p["bytes_per_block"] for p in model["setup"]["pools"]] == list(pb)
     for op, src, dst in (("offload", 0, host), ("restore", host, 0)):
@@ -54,7 +55,7 @@ def test_tiny_run_json_contract_and_bytes_match_the_ledger(tmp_path):
         assert rec["transfer_seconds_modelled"] == rec["bytes_moved"] / config.host_bandwidth
     assert model["offload"]["device_bytes_returned"] == 6 * pb[0]
     assert model["restore"]["device_bytes_returned"] == -6 * pb[0]
-    for pool, fmt in enumerate(["int8", "kivi2"], start=1):
+    for pool, fmt in enumerate(FORMATS, start=1):
         rec = model["compress"][fmt]
         assert rec["blocks_compressed"] == 4 and rec["blocks_as_expected"]
         assert rec["pool0_bytes_freed"] == 4 * pb[0] == rec["ledger"]["pool0_bytes_freed"]
@@ -66,6 +67,7 @@ def test_tiny_run_json_contract_and_bytes_match_the_ledger(tmp_path):
         assert rec["host_copy_seconds"] is None and rec["ratio_vs_device_copy"] > 0
     # int8 of bf16: half the bytes, plus a bf16 scale per token and head.
     assert model["compress"]["int8"]["fraction_of_bf16_block"] == pytest.approx(0.5 + 2 / 128)
+    assert model["compress"]["fp8"]["fraction_of_bf16_block"] == 0.5
 
     run_dir = tmp_path / "runs" / summary["run_dir"].rsplit("/", 1)[-1]
     assert sorted(p.name for p in run_dir.iterdir()) == [
@@ -73,7 +75,7 @@ def test_tiny_run_json_contract_and_bytes_match_the_ledger(tmp_path):
     points = runs.read_points(run_dir)
     assert [(p["kind"], p.get("op"), p.get("format")) for p in points] == [
         ("setup", None, None), ("op", "offload", None), ("op", "restore", None),
-        ("op", "compress", "int8"), ("op", "compress", "kivi2")]
+        *[("op", "compress", fmt) for fmt in FORMATS]]
     assert runs.read_metrics(run_dir) == summary
     assert json.loads((tmp_path / "results" / "t.json").read_text()) == summary
     assert runs.replot(run_dir) == ["tiers.png"]
@@ -124,15 +126,16 @@ def test_the_ledger_cross_check_catches_a_difference():
 
 # (arguments, text the one-line error must contain): BAD run by default, MORE_BAD with -m slow.
 BAD = [
-    (["--formats=fp8"], "kv_format 'fp8' is not quantized"),
+    (["--formats=f16"], "kv_format 'f16' is neither quantized nor narrower than pool 0's bf16"),
     (["--formats=int3"], "unknown kv_format 'int3'"),
     (["--seqs=0"], "--seqs=0"),
     (["--models=qwen2.5-7b", "--seq_tokens=8000"], "over --max_state_mib=512"),
 ]
 MORE_BAD = [
-    (["--formats=bf16"], "kv_format 'bf16' is not quantized"),
+    (["--formats=int8,bf16"], "kv_format 'bf16' is neither quantized nor narrower"),
+    (["--formats=f32"], "use some of: fp8, int8, int4, kivi2, kivi4"),
     (["--formats=int8,int8"], "lists a format twice"),
-    (["--formats="], "--formats needs at least one quantized format"),
+    (["--formats="], "--formats needs at least one compressed format"),
     (["--models=gpt-5"], "unknown model 'gpt-5'"),
     (["--seq_tokens=0"], "--seq_tokens=0"),
     (["--repeats=0"], "--repeats=0"),
