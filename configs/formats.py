@@ -123,6 +123,11 @@ class KVFormat:
         return self.key is not None
 
     @property
+    def compressed(self) -> bool:
+        """A format a full-precision cache is compressed into: quantized, or an 8-bit float."""
+        return self.quantized or self.element_bytes < 2
+
+    @property
     def element_bytes(self) -> int:
         """Bytes per element of a plain floating-point format."""
         return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}[self.dtype]

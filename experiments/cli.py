@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 from absl import app, flags
 
+import kvquota as kq
 from configs.formats import KV_FORMATS, get_kv_format
 from configs.models import MODELS, get_model_config
 
@@ -179,19 +180,46 @@ def int_list(name: str) -> list[int]:
 # ---- flags of the programs that run a model (score, generate) ----------------------------------
 
 PACKAGED_WEIGHTS = ("smollm2-135m",)  # presets kq.load_pretrained finds without a path
-SERVING_KV_FORMATS = ("f32", "bf16", "f16")  # page formats the model serves from today
-QUANTIZED_REFUSAL = "serving from 8-bit and quantized pages is not implemented yet"
-
-
 def define_model_source(default_format: str = "f32") -> None:
-    """--model, --weights and --kv_format of a program that loads a model's weights."""
+    """--model, --weights, --kv_format and the cache-policy flags of a program that runs a
+    model on the paged cache."""
     define_model(extra_help=f"Weights ship only for {', '.join(PACKAGED_WEIGHTS)}; other "
                             "presets need --weights.")
     flags.DEFINE_string(
         "weights", None,
         "A .gguf file or Hugging Face checkpoint dir (default: the packaged weights).",
         module_name=_main_module())
-    define_kv_format(default_format, SERVING_KV_FORMATS, QUANTIZED_REFUSAL)
+    define_kv_format(default_format, extra_help=(
+        "A full-precision format (f32, bf16, f16) holds every token; a compressed one (fp8, "
+        "int8, int4, kivi2, kivi4) keeps the --keep_recent newest tokens in f32 and compresses "
+        "every full block outside that window before the next token attends to it."))
+    flags.DEFINE_integer("keep_recent", 32, "Newest tokens kept in full precision (compressed "
+                         "formats) or always kept (eviction).", lower_bound=0,
+                         module_name=_main_module())
+    flags.DEFINE_string("evict_policy", None, "Evict down to --budget_tokens before each block "
+                        f"with this policy: {', '.join(sorted(kq.POLICIES))}.",
+                        module_name=_main_module())
+    flags.DEFINE_integer("budget_tokens", None, "Tokens kept by --evict_policy.", lower_bound=1,
+                         module_name=_main_module())
+    flags.register_validator("evict_policy", lambda v: v is None or v in kq.POLICIES,
+                             f"must be one of: {', '.join(sorted(kq.POLICIES))}")
+    flags.register_multi_flags_validator(
+        ["evict_policy", "budget_tokens"],
+        lambda f: (f["evict_policy"] is None) == (f["budget_tokens"] is None),
+        "--evict_policy and --budget_tokens go together")
+    flags.register_multi_flags_validator(
+        ["evict_policy", "kv_format"],
+        lambda f: f["evict_policy"] is None or not get_kv_format(f["kv_format"]).compressed,
+        "compress (a compressed --kv_format) or evict (--evict_policy), one at a time")
+
+
+def cache_policy(kv_format: str, keep_recent: int, evict_policy, budget_tokens):
+    """(pool-0 format, kq.CachePolicy) for the flags: a compressed --kv_format means f32 in pool
+    0 and compression into that format."""
+    if get_kv_format(kv_format).compressed:
+        return "f32", kq.CachePolicy(kv_format=kv_format, keep_recent=keep_recent)
+    return kv_format, kq.CachePolicy(keep_recent=keep_recent, evict_policy=evict_policy,
+                                     budget_tokens=budget_tokens)
 
 
 def check_model_source(model: str, weights: str | None) -> None:

@@ -35,7 +35,8 @@ def define_flags():
 
 
 def run(model: str, prompt: str, max_new_tokens: int, *, chat: bool = False, weights_path=None,
-        sampling: kq.Sampling = kq.Sampling(), kv_format: str = "f32") -> dict:
+        sampling: kq.Sampling = kq.Sampling(), kv_format: str = "f32", keep_recent: int = 32,
+        evict_policy: str | None = None, budget_tokens: int | None = None) -> dict:
     """Generates a continuation of `prompt` (the library call behind the CLI); the input is
     checked (cli.BadInput, a ValueError) before the weights load."""
     if not prompt:
@@ -43,6 +44,7 @@ def run(model: str, prompt: str, max_new_tokens: int, *, chat: bool = False, wei
     if max_new_tokens < 1:
         raise cli.BadInput(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
     cli.check_model_source(model, weights_path)
+    pool0, policy = cli.cache_policy(kv_format, keep_recent, evict_policy, budget_tokens)
     preset = kq.get_model_config(model)
     tok = kq.load_tokenizer(model, weights_path)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
@@ -52,21 +54,33 @@ def run(model: str, prompt: str, max_new_tokens: int, *, chat: bool = False, wei
                            f"{max_new_tokens:,} exceed {model}'s context of "
                            f"{preset.max_context:,} tokens")
     config, params = kq.load_pretrained(model, weights_path)
-    out = kq.generate(config, params, [ids], max_new_tokens, sampling=sampling,
-                      stop_ids=tok.stop_ids(), kv_format=kv_format)[0]
-    return {
+    if policy.lossless:
+        out = kq.generate(config, params, [ids], max_new_tokens, sampling=sampling,
+                          stop_ids=tok.stop_ids(), kv_format=pool0)[0]
+        held = None
+    else:  # the policy applied after the prefill and after every decode step
+        outs, held = kq.generate_streaming(config, params, [ids], max_new_tokens, policy,
+                                           sampling=sampling, stop_ids=tok.stop_ids(),
+                                           kv_format=pool0)
+        out = outs[0]
+    record = {
         "model": model,
         "prompt_ids": ids,
         "token_ids": out.tokens,
         "text": tok.decode(out.tokens),
         "finish": out.finish,
     }
+    if held is not None:
+        record["cache_bytes_by_pool"] = held
+    return record
 
 
 def main(argv):
     del argv
     record = run(FLAGS.model, FLAGS.prompt, FLAGS.max_new_tokens, chat=FLAGS.chat,
                  weights_path=FLAGS.weights, kv_format=FLAGS.kv_format,
+                 keep_recent=FLAGS.keep_recent, evict_policy=FLAGS.evict_policy,
+                 budget_tokens=FLAGS.budget_tokens,
                  sampling=kq.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.seed))
     if FLAGS.json:
         json.dump(record, sys.stdout)

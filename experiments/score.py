@@ -4,7 +4,9 @@ r"""Teacher-forced scoring of a text file on the paged KV cache.
 
 prints one JSON object (other tools read it): `token_ids` (the text's tokens truncated to the
 first N, as fed to the model), `nll` (natural-log negative log-likelihood of each token after the
-first: len(token_ids) - 1 values) and `ppl` (exp of their mean), plus the run's settings.
+first: len(token_ids) - 1 values) and `ppl` (exp of their mean), plus the run's settings. With
+a compressed --kv_format (or --evict_policy) the text is scored one block at a time, the cache
+compressed (or evicted) before each block attends, and the record adds `cache_bytes_by_pool`.
 
 Everything is checked before the weights load: the flags, the text (at least 2 tokens, at most
 the preset's context).
@@ -52,7 +54,9 @@ def token_ids(tok, text: str, max_tokens: int, config, source: str = "the text")
 
 
 def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size: int = 256,
-        block_size: int = 16, kv_format: str = "f32", source: str = "the text") -> dict:
+        block_size: int = 16, kv_format: str = "f32", keep_recent: int = 32,
+        evict_policy: str | None = None, budget_tokens: int | None = None,
+        source: str = "the text") -> dict:
     """The score record for `text` (the library call behind the CLI); the input is checked
     (cli.BadInput, a ValueError) before the weights load."""
     if max_tokens < 0:
@@ -60,13 +64,19 @@ def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size
     if not text.strip():
         raise cli.BadInput(f"{source} is empty: nothing to score")
     cli.check_model_source(model, weights_path)
+    pool0, policy = cli.cache_policy(kv_format, keep_recent, evict_policy, budget_tokens)
     tok = kq.load_tokenizer(model, weights_path)
     ids = token_ids(tok, text, max_tokens, kq.get_model_config(model), source)
     config, params = kq.load_pretrained(model, weights_path)
     start = time.perf_counter()
-    result = kq.score(config, params, ids, chunk_size=chunk_size, block_size=block_size,
-                      kv_format=kv_format)
-    return {
+    if policy.lossless:  # every position in full precision: chunked prefill
+        result = kq.score(config, params, ids, chunk_size=chunk_size, block_size=block_size,
+                          kv_format=pool0)
+        held = None
+    else:  # one block at a time, the policy applied before each block attends
+        result, held = kq.score_streaming(config, params, ids, policy, block_size=block_size,
+                                          kv_format=pool0)
+    record = {
         "model": model,
         "num_tokens": len(ids),
         "token_ids": result.token_ids,
@@ -74,9 +84,13 @@ def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size
         "ppl": result.ppl,
         "kv_format": kv_format,
         "block_size": block_size,
-        "chunk_size": chunk_size,
+        "chunk_size": chunk_size if policy.lossless else block_size,
         "seconds": time.perf_counter() - start,
     }
+    if not policy.lossless:
+        record.update(keep_recent=keep_recent, evict_policy=evict_policy,
+                      budget_tokens=budget_tokens, pool0_format=pool0, cache_bytes_by_pool=held)
+    return record
 
 
 def main(argv):
@@ -86,7 +100,9 @@ def main(argv):
     text = path.read_text(encoding="utf-8")
     record = run(FLAGS.model, text, FLAGS.max_tokens, weights_path=FLAGS.weights,
                  chunk_size=FLAGS.chunk_size, block_size=FLAGS.block_size,
-                 kv_format=FLAGS.kv_format, source=f"--text_file={path}")
+                 kv_format=FLAGS.kv_format, keep_recent=FLAGS.keep_recent,
+                 evict_policy=FLAGS.evict_policy, budget_tokens=FLAGS.budget_tokens,
+                 source=f"--text_file={path}")
     if FLAGS.json:
         json.dump(record, sys.stdout)
         sys.stdout.write("\n")

@@ -107,6 +107,10 @@ from kvquota.model import (
 
 # ---- serving ------------------------------------------------------------------------------------
 from kvquota.serving import (
+    CachePolicy,
+    cache_bytes_by_pool,
+    generate_streaming,
+    score_streaming,
     DenseEngine,
     Generation,
     PagedEngine,

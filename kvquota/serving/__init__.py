@@ -4,8 +4,15 @@ from kvquota.serving.dense import DenseEngine
 from kvquota.serving.engine import Generation, PagedEngine, ScoreResult
 from kvquota.serving.oneshot import generate, score, scoring_state_config
 from kvquota.serving.sampling import Sampling, sample_tokens
+from kvquota.serving.streaming import (
+    CachePolicy,
+    cache_bytes_by_pool,
+    generate_streaming,
+    score_streaming,
+)
 
 __all__ = [
     "DenseEngine", "Generation", "PagedEngine", "ScoreResult", "generate", "score",
-    "scoring_state_config", "Sampling", "sample_tokens",
+    "scoring_state_config", "Sampling", "sample_tokens", "CachePolicy", "cache_bytes_by_pool",
+    "generate_streaming", "score_streaming",
 ]
