@@ -1,244 +1,512 @@
-"""Stateful property test: random sequences of every operation (plain and donated), valid and
-invalid, on the tiny pool, with check_invariants and the ledger view checked after every step.
+"""Stateful property test: random programs of every operation (plain and donated) over the LIVE
+sequences of the tiny pool, each report compared exactly with a plain-Python model of the state
+(`tests/state/oracle.py`), and check_invariants, the ledger view and the whole state compared
+with the model after every step.
 
-A Python model tracks only what the caller knows (which slots run, the tokens each sequence was
-given); everything else must be recomputable from the state itself. Invalid calls must raise the
-documented error and leave the state equal leaf by leaf. One static config and fixed batch shapes
-keep the jitted cores to one compile each.
+Tenants are registered up front with quotas sized to bind sometimes (a few tokens to a few
+blocks, byte quotas off the unit grid so the rounding down to whole units matters), usually in
+one share group; prompts start from a few system prompts (block-aligned ones among them, sent
+again as whole prompts) so prefix hits, shared blocks and heir transfers happen. Invalid calls
+are a minority of steps: they must raise the documented error and leave the state equal leaf by
+leaf (also with donate=True: validation runs before the donating call).
+
+Each run counts what it explored (admits, appended tokens, prefix hits, forks, pins, heir
+transfers, refusals by reason, ...), prints the counts and asserts floors, so a change that made
+the machine stop reaching some behaviour fails instead of passing quietly. Runs are derandomized
+(fixed seed, no example database): CI sees the same programs every time.
 """
+
+import collections
+import copy
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
+from kvquota import codes
 from kvquota import errors as E
 from kvquota.allocator import Allocator
 from kvquota.invariants import recompute
 from kvquota.sentinel import INVALID
 from tests.state.common import ADMIT_T, BLOCK, TINY, leaves_equal, prompts, seq_tokens, snapshot
+from tests.state.oracle import Model
 
-P, S, MB, T = TINY.block_size, TINY.max_seqs, TINY.max_blocks_per_seq, TINY.num_tenants
-ALLOC = Allocator(TINY)
-
-# Prompts start from a few shared prefixes so the prefix cache gets hits and collisions of
-# content across tenants and sequences.
-PREFIXES = ([], [1, 2], [1, 2, 3, 4], [1, 2, 5, 6], [7, 7, 7, 7])
+# Prompts start from shared system prompts (2 and 4 tokens are whole blocks of 2) so the prefix
+# cache gets hits, duplicates and block-aligned repeats; tails reuse the same few token ids.
+SYSTEMS = ([1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [5, 6, 5, 6], [3, 4], [])
 prompt_st = st.builds(
-    lambda pre, tail: (pre + tail)[:ADMIT_T] or [0],
-    st.sampled_from(PREFIXES),
-    st.lists(st.integers(0, 3), min_size=0, max_size=ADMIT_T),
+    lambda pre, tail: (pre + tail)[:ADMIT_T] or [1],
+    st.sampled_from(SYSTEMS),
+    st.lists(st.integers(1, 6), min_size=0, max_size=2),
 )
-seq_st = st.one_of(st.integers(0, S - 1), st.just(INVALID), st.integers(S, S + 1))
-tenant_st = st.integers(0, T - 1)
+token_st = st.integers(1, 6)
+
+STATS = collections.Counter()  # what the current run explored, summed over its examples
 
 
-class KVStateMachine(RuleBasedStateMachine):
+def _ints(x):
+    return np.asarray(x).tolist()
+
+
+class KVMachine(RuleBasedStateMachine):
+    config = TINY
+
     def __init__(self):
         super().__init__()
-        self.state = ALLOC.init()
-        self.tokens = {}  # seq -> the token ids the caller gave it (prompt + appends)
-        self.tenant_of = {}  # seq -> tenant
-        self.registered = set()
+        self.alloc = Allocator(self.config)
+        self.state = self.alloc.init()
+        self.model = Model(self.config)
+        self.c = self.config
+        self.history = []  # (tenant, tokens) of sequences freed so far
+        STATS["examples"] += 1
 
     # ---- helpers -------------------------------------------------------------------------
+    def _host(self):
+        return jax.device_get(self.state)
+
     def _expect_error(self, error, call):
         before = snapshot(self.state)
         with pytest.raises(error):
             call()
         assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.state))
         assert leaves_equal(before, self.state)
+        STATS["invalid calls"] += 1
 
-    def _free_bytes(self):
-        return int((np.asarray(self.state.free.free_count, np.int64) * np.asarray(TINY.pool_bytes)).sum())
+    def _live(self, data, exclude=()):
+        return data.draw(st.sampled_from([s for s in self.model.live() if s not in exclude]))
+
+    def _room(self):
+        """Live sequences with room in their block table."""
+        return [s for s in self.model.live()
+                if len(self.model.seqs[s].tokens) < self.c.max_tokens_per_seq]
+
+    def _blocks(self, seq):
+        return -(-len(self.model.seqs[seq].tokens) // self.c.block_size)
+
+    def _remember(self, seqs):
+        self.history += [(self.model.seqs[q].tenant, tuple(self.model.seqs[q].tokens))
+                         for q in seqs if q != INVALID]
+        self.history = sorted(set(self.history))[-12:]
+
+    def _check_free_report(self, rep, want):
+        assert int(rep.seqs_freed) == want["seqs_freed"]
+        assert _ints(rep.tokens_released) == want["tokens_released"]
+        assert _ints(rep.blocks_returned) == [want["blocks_returned"]] + [0] * (self.c.num_pools - 1)
+        assert rep.pool_bytes_returned == want["blocks_returned"] * BLOCK
+        assert _ints(rep.quota_units_released) == want["quota_units_released"]
+        assert int(rep.transferred_blocks) == want["transferred_blocks"]
+        assert _ints(rep.inherited_units) == want["inherited_units"]
+        assert _ints(rep.heir_over_quota) == want["heir_over_quota"]
+        assert int(rep.unpinned_blocks) == want["unpinned_blocks"]
+        if want["duplicates"]:  # push order of repeated ids is XLA's choice: adopt it
+            self.model.sync_free_order(self._host())
+        STATS["blocks returned"] += want["blocks_returned"]
+        STATS["heir transfers"] += want["transferred_blocks"]
+        STATS["heir over quota"] += sum(want["heir_over_quota"])
+        for t, units in enumerate(want["inherited_units"]):
+            if units and self.model.charged(t) * self.model.unit0 == self.model.bq[t]:
+                STATS["heir exactly at quota"] += 1
 
     # ---- tenants -------------------------------------------------------------------------
-    @rule(t=tenant_st, tq=st.integers(0, 24), bq=st.integers(0, 9),
-          group=st.sampled_from([None, None, 5]), donate=st.booleans())
-    def register(self, t, tq, bq, group, donate):
-        call = lambda: ALLOC.register_tenant(  # noqa: E731
-            self.state, t, token_quota=tq, byte_quota=bq * BLOCK, share_group=group, donate=donate)
-        if t in self.registered:
-            self._expect_error(E.TenantExistsError, call)
-            return
-        self.state, rep = call()
-        self.registered.add(t)
-        assert int(rep.tokens_over) == 0 and int(rep.units_over) == 0
+    @initialize(quotas=st.lists(st.tuples(st.integers(6, 40), st.sampled_from([3, 4, 6, 8, 12, 16]),
+                                          st.sampled_from([0, 16, 31, 32])),
+                                min_size=TINY.num_tenants, max_size=TINY.num_tenants),
+                shared=st.sampled_from([True, True, True, False]), donate=st.booleans())
+    def tenants(self, quotas, shared, donate):
+        """Every tenant registered up front; byte quotas of whole blocks plus 0..1 unit
+        (rounded down to whole units: a block needs all of its units)."""
+        STATS["examples sharing a group"] += shared
+        for t, (tq, blocks, extra) in enumerate(quotas):
+            bq = blocks * BLOCK + extra
+            self.state, rep = self.alloc.register_tenant(
+                self.state, t, token_quota=tq, byte_quota=bq, share_group=5 if shared else None,
+                donate=donate)
+            self.model.register(t, tq, bq, 5 if shared else None)
+            assert int(rep.tokens_over) == 0 and int(rep.units_over) == 0
 
-    @rule(t=st.integers(-1, T), tq=st.integers(0, 24), bq=st.integers(0, 9), donate=st.booleans())
-    def set_quota(self, t, tq, bq, donate):
-        call = lambda: ALLOC.set_quota(self.state, t, token_quota=tq, byte_quota=bq * BLOCK,  # noqa: E731
-                                       donate=donate)
-        if t not in self.registered:
-            self._expect_error(E.UnknownTenantError, call)
+    @rule(t=st.integers(0, TINY.num_tenants - 1), tq=st.integers(-2, 16),
+          blocks=st.integers(0, 10), extra=st.sampled_from([0, 31, 32]),
+          near=st.sampled_from([None, None, 0, 1, 2]),
+          lease=st.one_of(st.none(), st.none(), st.none(), st.integers(0, 50)),
+          donate=st.booleans())
+    def set_quota(self, t, tq, blocks, extra, near, lease, donate):
+        """Raise or cut the quotas (the token quota to the tenant's use plus -2..16 tokens: a
+        cut below use is allowed, then admits and appends are refused); `near` sets the byte
+        quota to the tenant's current charge plus 0..2 blocks. Or move the lease."""
+        if lease is not None:
+            self.state, _ = self.alloc.set_lease(self.state, t, lease, donate=donate)
+            self.model.lease[t] = lease
+            want = [u for u in range(self.c.num_tenants) if self.model.lease[u] <= lease]
+            assert _ints(self.alloc.expired_tenants(self.state, lease)) == want
             return
-        used = int(self.state.tenants.used_tokens[t])
-        self.state, rep = call()
-        assert int(rep.tokens_over) == max(used - tq, 0)
-
-    @rule(t=st.integers(-1, T), lease=st.integers(-1, 50), donate=st.booleans())
-    def set_lease(self, t, lease, donate):
-        call = lambda: ALLOC.set_lease(self.state, t, lease, donate=donate)  # noqa: E731
-        if t not in self.registered:
-            self._expect_error(E.UnknownTenantError, call)
-            return
-        if lease < 0:
-            self._expect_error(E.QuotaValueError, call)
-            return
-        self.state, _ = call()
-        assert int(self.state.tenants.lease_expiry[t]) == lease
-        assert t in ALLOC.expired_tenants(self.state, lease).tolist()
+        tq = max(self.model.used(t) + tq, 0)
+        if near is not None:
+            blocks = self.model.charged(t) + near
+        bq = blocks * BLOCK + extra
+        self.state, rep = self.alloc.set_quota(self.state, t, token_quota=tq, byte_quota=bq,
+                                               donate=donate)
+        want = self.model.set_quota(t, tq, bq)
+        assert (int(rep.tokens_over), int(rep.units_over)) == want
+        assert rep.bytes_over == want[1] * self.c.unit_bytes
+        STATS["quota changes"] += 1
 
     # ---- sequences -----------------------------------------------------------------------
-    @rule(rows=st.lists(st.tuples(st.one_of(tenant_st, st.just(INVALID)), prompt_st),
-                        min_size=1, max_size=2), donate=st.booleans())
-    def admit(self, rows, donate):
-        args = prompts(rows)
-        if any(t != INVALID and t not in self.registered for t, _ in rows):
-            self._expect_error(E.UnknownTenantError, lambda: ALLOC.admit(self.state, *args, donate=donate))
-            return
-        free0 = int(self.state.free.free_count[0])
-        self.state, rep = ALLOC.admit(self.state, *args, donate=donate)
-        adm, seq, cached, new = (np.asarray(x) for x in (rep.admitted, rep.seq_id, rep.cached_tokens,
-                                                          rep.new_blocks))
-        assert free0 - int(self.state.free.free_count[0]) == int(new.sum())
-        for i, (t, ids) in enumerate(rows):
-            if not adm[i]:
-                assert seq[i] == INVALID and new[i] == 0
-                continue
-            assert cached[i] % P == 0 and cached[i] <= len(ids) - 1
-            self.tokens[int(seq[i])] = list(ids)
-            self.tenant_of[int(seq[i])] = t
+    def _row(self, data):
+        """(tenant or INVALID, prompt): a fresh prompt from the system prompts, or half the time
+        the full blocks of a live or earlier sequence's tokens (mostly under the other tenant)
+        and a tail of 1-2 tokens: prefix hits, blocks shared across the group, heir transfers,
+        and prompts re-sent after their blocks were freed and reused."""
+        t = data.draw(st.sampled_from(list(range(self.c.num_tenants)) * 2 + [INVALID]))
+        sources = [(q.tenant, tuple(q.tokens)) for q in self.model.seqs.values()] + self.history
+        if not sources or data.draw(st.booleans()):
+            return t, data.draw(prompt_st)
+        owner, toks = data.draw(st.sampled_from(sorted(set(sources))))
+        if t != INVALID and data.draw(st.booleans()):
+            t = (owner + 1) % self.c.num_tenants
+        p = self.c.block_size
+        k = data.draw(st.integers(min(1, len(toks) // p), len(toks) // p))
+        tail = data.draw(st.lists(token_st, min_size=0, max_size=2))  # empty: block-aligned
+        return t, (list(toks[: k * p]) + tail)[:ADMIT_T] or [1]
 
-    @rule(seqs=st.lists(seq_st, min_size=2, max_size=2), toks=st.lists(st.integers(0, 255), min_size=2,
-          max_size=2), donate=st.booleans())
-    def append(self, seqs, toks, donate):
-        call = lambda: ALLOC.append(self.state, seqs, toks, donate=donate)  # noqa: E731
-        real = [s for s in seqs if s != INVALID]
-        if any(s not in self.tokens for s in real):
-            self._expect_error(E.UnknownSequenceError, call)
+    @rule(data=st.data(), n=st.integers(1, 2), donate=st.booleans())
+    def admit(self, data, n, donate):
+        self._admit([self._row(data) for _ in range(n)], donate)
+
+    @rule(data=st.data(), n=st.integers(1, 2), donate=st.booleans())
+    def admit_again(self, data, n, donate):  # a second rule: admits are frequent
+        self._admit([self._row(data) for _ in range(n)], donate)
+
+    def _admit(self, rows, donate):
+        self.state, rep = self.alloc.admit(self.state, *prompts(rows), donate=donate)
+        p = self.c.block_size
+        capped = [t != INVALID and len(ids) % p == 0 and len(
+            self.model.lookup(self.model.tsalt[t], ids + [1])) == len(ids) // p
+            for t, ids in rows]  # every block cached: only the cap keeps the last one computed
+        payer, stale = list(self.model.payer), self.model.stale_parents
+        want = self.model.admit(rows)
+        STATS["stale parents rejected"] += self.model.stale_parents - stale
+        for (t, _), w in zip(rows, want):
+            if w["admitted"]:
+                table = self.model.seqs[w["seq_id"]].table[: w["hit_blocks"]]
+                STATS["hit blocks paid by another tenant"] += sum(payer[b] != t for b in table)
+        for field in ("admitted", "reason", "seq_id", "cached_tokens", "hit_blocks", "new_blocks"):
+            assert _ints(getattr(rep, field))[: len(rows)] == [w[field] for w in want], field
+        for (t, ids), w in zip(rows, want):
+            STATS[f"admit: {codes.REASONS[w['reason']]}"] += 1
+            if w["admitted"]:
+                STATS["admits"] += 1
+                STATS["prefix hits"] += w["hit_blocks"] > 0
+                STATS["hit blocks"] += w["hit_blocks"]
+        for c, w in zip(capped, want):
+            STATS["aligned prompt wholly cached, last block computed"] += c and w["admitted"]
+
+    @precondition(lambda self: self._room())
+    @rule(data=st.data(), toks=st.lists(token_st, min_size=2, max_size=2), donate=st.booleans())
+    def append(self, data, toks, donate):
+        self._append(data, toks, donate)
+
+    @precondition(lambda self: self._room())
+    @rule(data=st.data(), toks=st.lists(token_st, min_size=2, max_size=2), donate=st.booleans())
+    def append_again(self, data, toks, donate):
+        self._append(data, toks, donate)
+
+    def _append(self, data, toks, donate):
+        room = self._room()
+        a = data.draw(st.sampled_from(room))
+        b = data.draw(st.sampled_from([INVALID] + [s for s in room if s != a]))
+        seqs = [a, b] if data.draw(st.booleans()) else [b, a]
+        self.state, rep = self.alloc.append(self.state, seqs, toks, donate=donate)
+        want = self.model.append(seqs, toks)
+        for field in ("appended", "reason", "block", "offset", "new_block"):
+            assert _ints(getattr(rep, field)) == [w[field] for w in want], field
+        for s, w in zip(seqs, want):
+            if s != INVALID:
+                STATS[f"append: {codes.REASONS[w['reason']]}"] += 1
+                STATS["appended tokens"] += w["appended"]
+
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data(), donate=st.booleans())
+    def fork(self, data, donate):
+        seq = self._live(data)
+        self.state, rep = self.alloc.fork(self.state, [seq], donate=donate)
+        want = self.model.fork([seq])
+        for field in ("forked", "reason", "seq_id", "copied_from", "copied_to"):
+            assert _ints(getattr(rep, field)) == [w[field] for w in want], field
+        STATS[f"fork: {codes.REASONS[want[0]['reason']]}"] += 1
+        STATS["forks"] += want[0]["forked"]
+
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data(), prefix=st.booleans())
+    def pin(self, data, prefix, donate=False):
+        """Pin a live sequence's first n blocks, or any one held block (a pinned block may
+        outlive every reference)."""
+        if prefix:
+            seq = self._live(data)
+            n = data.draw(st.integers(1, min(2, self._blocks(seq))))
+            blocks = self.model.seqs[seq].table[:n]
+            self.state, rep = self.alloc.pin_prefix(self.state, seq, n, donate=donate)
+            assert _ints(rep.pin_count) == self.model.pin_blocks(blocks)
+            STATS["pins"] += n
             return
-        if len(set(real)) != len(real):
-            self._expect_error(E.DuplicateIdError, call)
-            return
-        if any(len(self.tokens[s]) >= MB * P for s in real):
-            self._expect_error(E.SequenceTooLongError, call)
-            return
+        block = data.draw(st.sampled_from([b for b in range(self.model.N) if self.model.held(b)]))
+        self.state, rep = self.alloc.pin_blocks(self.state, [block, INVALID], donate=donate)
+        assert _ints(rep.pin_count) == self.model.pin_blocks([block, INVALID])
+        STATS["pins"] += 1
+
+    @precondition(lambda self: any(len(q.table) >= 2 for q in self.model.seqs.values()))
+    @rule(data=st.data())
+    def pin_child_free_parent(self, data):
+        """Pin one block past the first of a live sequence, alone, then free the sequence: the
+        pinned block outlives its parent, whose id is reused later (a stale parent that prefix
+        lookups must reject by its generation)."""
+        m = self.model
+        seq = data.draw(st.sampled_from([s for s in m.live() if len(m.seqs[s].table) >= 2]))
+        block = data.draw(st.sampled_from(m.seqs[seq].table[1:]))
+        self.state, rep = self.alloc.pin_blocks(self.state, [block, INVALID])
+        assert _ints(rep.pin_count) == m.pin_blocks([block, INVALID])
+        self.state, rep = self.alloc.free(self.state, [seq])
+        self._remember([seq])
+        self._check_free_report(rep, m.free([seq]))
+        STATS["pins"] += 1
+        STATS["frees"] += 1
+
+    @precondition(lambda self: any(p > 0 for p in self.model.pin))
+    @rule(data=st.data(), prefix=st.booleans())
+    def unpin_again(self, data, prefix):
+        self.unpin(data, prefix)
+
+    @precondition(lambda self: any(p > 0 for p in self.model.pin))
+    @rule(data=st.data(), prefix=st.booleans())
+    def unpin(self, data, prefix, donate=False):
+        """Drop one pin of a pinned block, or of a live sequence's first 2 blocks."""
+        m = self.model
+        two = [s for s in m.live() if len(m.seqs[s].table) >= 2
+               and all(m.pin[b] > 0 for b in m.seqs[s].table[:2])]
+        if prefix and two:
+            seq = data.draw(st.sampled_from(two))
+            blocks = m.seqs[seq].table[:2]
+            call = lambda: self.alloc.unpin_prefix(self.state, seq, 2, donate=donate)  # noqa: E731
+        else:
+            blocks = [INVALID, data.draw(st.sampled_from(
+                [b for b, p in enumerate(self.model.pin) if p > 0]))]
+            call = lambda: self.alloc.unpin_blocks(self.state, blocks, donate=donate)  # noqa: E731
         self.state, rep = call()
-        ok, blk, off = (np.asarray(x) for x in (rep.appended, rep.block, rep.offset))
-        for i, s in enumerate(seqs):
-            if ok[i]:
-                assert int(self.state.blocks.token_ids[blk[i], off[i]]) == toks[i]
-                self.tokens[s].append(toks[i])
-            else:
-                assert blk[i] == INVALID
+        self._check_free_report(rep, self.model.unpin_blocks(blocks))
+        STATS["unpins"] += 1
 
-    @rule(seq=seq_st, donate=st.booleans())
-    def fork(self, seq, donate):
-        call = lambda: ALLOC.fork(self.state, [seq], donate=donate)  # noqa: E731
-        if seq != INVALID and seq not in self.tokens:
-            self._expect_error(E.UnknownSequenceError, call)
-            return
-        self.state, rep = call()
-        if bool(rep.forked[0]):
-            child = int(rep.seq_id[0])
-            self.tokens[child] = list(self.tokens[seq])
-            self.tenant_of[child] = self.tenant_of[seq]
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data(), two=st.booleans())
+    def free(self, data, two):
+        self._free(data, two, False)
 
-    @rule(seq=seq_st, n=st.integers(0, MB), donate=st.booleans())
-    def pin_prefix(self, seq, n, donate):
-        call = lambda: ALLOC.pin_prefix(self.state, seq, n, donate=donate)  # noqa: E731
-        if seq not in self.tokens:
-            self._expect_error(E.UnknownSequenceError, call)
-            return
-        if not 1 <= n <= -(-len(self.tokens[seq]) // P):
-            self._expect_error(E.BlockStateError, call)
-            return
-        self.state, _ = call()
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data(), two=st.booleans())
+    def free_again(self, data, two):
+        self._free(data, two, False)
 
-    @rule(block=st.integers(0, TINY.total_blocks - 1), donate=st.booleans())
-    def pin_block(self, block, donate):
-        call = lambda: ALLOC.pin_blocks(self.state, [block, INVALID], donate=donate)  # noqa: E731
-        held = int(self.state.blocks.ref_count[block]) > 0 or int(self.state.blocks.pin_count[block]) > 0
-        if not held:  # pinning a free block is an error
-            self._expect_error(E.BlockStateError, call)
-            return
-        pins = int(self.state.blocks.pin_count[block])
-        self.state, rep = call()
-        assert int(rep.pin_count[0]) == pins + 1
+    def _payers(self):
+        """Live sequences whose free orphans a block: one their tenant pays for, references
+        only through them, has not pinned, and another sequence still references (so its
+        charge passes to an heir)."""
+        m = self.model
+        return [s for s in m.live() if any(
+            m.payer[b] == m.seqs[s].tenant and m.prefs[b] == 1 and m.pin[b] == 0 and m.ref[b] > 1
+            for b in m.seqs[s].table)]
 
-    @rule(block=st.integers(0, TINY.total_blocks - 1), pick_pinned=st.booleans(), donate=st.booleans())
-    def unpin(self, block, pick_pinned, donate):
-        pinned = np.flatnonzero(np.asarray(self.state.blocks.pin_count) > 0)
-        if pick_pinned and len(pinned):
-            block = int(pinned[block % len(pinned)])
-        call = lambda: ALLOC.unpin_blocks(self.state, [block, INVALID], donate=donate)  # noqa: E731
-        if int(self.state.blocks.pin_count[block]) == 0:
-            self._expect_error(E.BlockStateError, call)
-            return
-        before = self._free_bytes()
-        self.state, rep = call()
-        assert rep.pool_bytes_returned == self._free_bytes() - before
+    margin_st = st.sampled_from([0, -1, 1, None])
 
-    @rule(seq=seq_st, donate=st.booleans())
-    def free(self, seq, donate):
-        call = lambda: ALLOC.free(self.state, [seq], donate=donate)  # noqa: E731
-        if seq != INVALID and seq not in self.tokens:
-            self._expect_error(E.DoubleFreeError, call)
-            return
-        before = self._free_bytes()
-        self.state, rep = call()
-        assert rep.pool_bytes_returned == self._free_bytes() - before
-        assert int(rep.seqs_freed) == (seq != INVALID)
-        self.tokens.pop(seq, None)
-        self.tenant_of.pop(seq, None)
+    @precondition(lambda self: self._payers())
+    @rule(data=st.data(), margin=margin_st, extra=st.sampled_from([0, 31]))
+    def free_payer(self, data, margin, extra):
+        self._free_payer(data.draw(st.sampled_from(self._payers())), margin, extra)
 
-    @rule(t=st.integers(-1, T), unpin=st.booleans(), donate=st.booleans())
-    def release(self, t, unpin, donate):
-        call = lambda: ALLOC.release_tenant(self.state, t, unpin=unpin, donate=donate)  # noqa: E731
-        if t not in self.registered:
-            self._expect_error(E.UnknownTenantError, call)
-            return
-        before = self._free_bytes()
-        mine = [s for s, owner in self.tenant_of.items() if owner == t]
-        self.state, rep = call()
-        assert rep.pool_bytes_returned == self._free_bytes() - before
-        assert int(rep.seqs_freed) == len(mine)
-        assert int(self.state.tenants.used_tokens[t]) == 0
-        if unpin:
-            assert int(np.asarray(self.state.tenants.pinned_blocks[t]).sum()) == 0
-        for s in mine:
-            del self.tokens[s], self.tenant_of[s]
+    def _shareable(self):
+        """Live sequences with a full block and another tenant in their share group."""
+        m = self.model
+        return [s for s in m.live() if len(m.seqs[s].tokens) >= self.c.block_size and any(
+            u != m.seqs[s].tenant and m.tsalt[u] == m.tsalt[m.seqs[s].tenant]
+            for u in range(self.c.num_tenants))]
+
+    @precondition(lambda self: self._shareable())
+    @rule(data=st.data(), tail=st.lists(token_st, min_size=1, max_size=2), margin=margin_st,
+          extra=st.sampled_from([0, 31]))
+    def share_and_leave(self, data, tail, margin, extra):
+        """Another tenant of the group admits a prompt starting with a live sequence's full
+        blocks, then the sequence's owner frees it: its blocks' charges pass to that heir."""
+        m = self.model
+        seq = data.draw(st.sampled_from(self._shareable()))
+        owner = m.seqs[seq].tenant
+        other = data.draw(st.sampled_from([u for u in range(self.c.num_tenants)
+                                           if u != owner and m.tsalt[u] == m.tsalt[owner]]))
+        full = len(m.seqs[seq].tokens) // self.c.block_size * self.c.block_size
+        self._admit([(other, (m.seqs[seq].tokens[:full] + tail)[:ADMIT_T])], False)
+        if seq in self._payers():
+            self._free_payer(seq, margin, extra)
+
+    def _free_payer(self, seq, margin, extra):
+        """Free a sequence whose blocks others share. With `margin`, first set each heir's byte
+        quota to what it will be charged afterwards plus `margin` blocks (plus under one unit
+        of bytes, rounded away): an heir exactly at its quota is not over it; one unit more is."""
+        if margin is not None:
+            sim = copy.deepcopy(self.model)
+            heirs = [t for t, u in enumerate(sim.free([seq])["inherited_units"]) if u]
+            for t in heirs:
+                bq = max(sim.charged(t) + margin, 0) * BLOCK + extra
+                self.state, _ = self.alloc.set_quota(self.state, t, byte_quota=bq)
+                self.model.set_quota(t, byte_quota=bq)
+        self.state, rep = self.alloc.free(self.state, [seq])
+        self._remember([seq])
+        self._check_free_report(rep, self.model.free([seq]))
+        STATS["frees"] += 1
+
+    def _free(self, data, two, donate):
+        """Free one or two live sequences."""
+        seqs = [self._live(data)]
+        if two and len(self.model.seqs) > 1:
+            seqs.append(self._live(data, exclude=seqs))
+        self.state, rep = self.alloc.free(self.state, seqs, donate=donate)
+        self._remember(seqs)
+        self._check_free_report(rep, self.model.free(seqs))
+        STATS["frees"] += len(seqs)
+
+    @precondition(lambda self: self.model.seqs or any(p > 0 for p in self.model.pin))
+    @rule(t=st.integers(0, TINY.num_tenants - 1), unpin=st.sampled_from([True, True, True, False]))
+    def release(self, t, unpin, donate=False):
+        """Release a whole tenant, keeping or dropping its pins."""
+        self.state, rep = self.alloc.release_tenant(self.state, t, unpin=unpin, donate=donate)
+        self._remember([q for q in self.model.live() if self.model.seqs[q].tenant == t])
+        self._check_free_report(rep, self.model.release(t, unpin))
+        STATS["releases"] += 1
+
+    # ---- invalid calls -------------------------------------------------------------------
+    @rule(kind=st.integers(0, 11), data=st.data(), donate=st.booleans())
+    def invalid(self, kind, data, donate):
+        a, s, m, c = self.alloc, self.state, self.model, self.c
+        free_slot = data.draw(st.sampled_from(m.free_slots() + [c.max_seqs]))
+        free_block = [b for b in range(m.N) if not m.held(b)]
+        unpinned = [b for b in range(m.N) if m.pin[b] == 0]
+        if kind == 0:
+            self._expect_error(E.UnknownSequenceError,
+                               lambda: a.append(s, [free_slot, INVALID], [1, 1], donate=donate))
+        elif kind == 1 and m.seqs:
+            seq = self._live(data)
+            self._expect_error(E.DuplicateIdError, lambda: a.append(s, [seq, seq], [1, 1], donate=donate))
+        elif kind == 2:
+            self._expect_error(E.DoubleFreeError, lambda: a.free(s, [free_slot], donate=donate))
+        elif kind == 3:
+            self._expect_error(E.UnknownSequenceError, lambda: a.fork(s, [free_slot], donate=donate))
+        elif kind == 4 and free_block:
+            b = data.draw(st.sampled_from(free_block))
+            self._expect_error(E.BlockStateError, lambda: a.pin_blocks(s, [b, INVALID], donate=donate))
+        elif kind == 5 and unpinned:
+            b = data.draw(st.sampled_from(unpinned))
+            self._expect_error(E.BlockStateError, lambda: a.unpin_blocks(s, [INVALID, b], donate=donate))
+        elif kind == 6:
+            t = data.draw(st.integers(0, c.num_tenants - 1))
+            self._expect_error(E.TenantExistsError, lambda: a.register_tenant(
+                s, t, token_quota=1, byte_quota=1, donate=donate))
+        elif kind == 7:
+            t = data.draw(st.sampled_from([-1, c.num_tenants]))
+            self._expect_error(E.UnknownTenantError, lambda: a.release_tenant(s, t, donate=donate))
+        elif kind == 8 and m.seqs:
+            seq = self._live(data)
+            self._expect_error(E.BlockStateError,
+                               lambda: a.pin_prefix(s, seq, self._blocks(seq) + 1, donate=donate))
+        elif kind == 9:
+            self._expect_error(E.UnknownTenantError, lambda: a.admit(
+                s, *prompts([(c.num_tenants, [1, 2])]), donate=donate))
+        elif kind == 11:
+            full = [q for q in m.live() if len(m.seqs[q].tokens) >= c.max_tokens_per_seq]
+            if full:
+                seq = data.draw(st.sampled_from(full))
+                self._expect_error(E.SequenceTooLongError,
+                                   lambda: a.append(s, [INVALID, seq], [1, 1], donate=donate))
+        elif kind == 10:
+            unpinned_two = [q for q in m.live() if len(m.seqs[q].table) >= 2
+                            and any(m.pin[b] == 0 for b in m.seqs[q].table[:2])]
+            if unpinned_two:
+                seq = data.draw(st.sampled_from(unpinned_two))
+                self._expect_error(E.BlockStateError,
+                                   lambda: a.unpin_prefix(s, seq, 2, donate=donate))
 
     # ---- after every step ----------------------------------------------------------------
     @invariant()
     def consistent(self):
-        ALLOC.check(self.state)
-        live = {int(s) for s in np.flatnonzero(np.asarray(self.state.seqs.seq_status) != 0)}
-        assert live == set(self.tokens)
-        for s, toks in self.tokens.items():  # each table spells exactly its own tokens
-            assert seq_tokens(self.state, s, P) == toks
-            assert int(self.state.seqs.seq_tenant[s]) == self.tenant_of[s]
-        led = ALLOC.ledger(self.state)
-        want = recompute(TINY, jax.device_get(self.state))
-        assert np.asarray(led.shared_blocks).tolist() == want["shared"].tolist()
-        assert np.asarray(led.reclaimable_blocks).tolist() == want["reclaimable"].tolist()
-        assert np.asarray(led.fragmentation).tolist() == want["fragmentation"].tolist()
+        self.alloc.check(self.state)
+        host = self._host()
+        problems = self.model.compare(host)
+        assert not problems, "\n".join(problems)
+        for s, seq in self.model.seqs.items():  # each table spells exactly its own tokens
+            assert seq_tokens(host, s, self.c.block_size) == seq.tokens
+        led = self.alloc.ledger(self.state)
+        want = recompute(self.c, host)
+        assert _ints(led.shared_blocks) == want["shared"].tolist()
+        assert _ints(led.reclaimable_blocks) == want["reclaimable"].tolist()
+        assert _ints(led.fragmentation) == want["fragmentation"].tolist()
         assert int(led.pool_fragmentation) == want["pool_fragmentation"]
+        STATS["steps"] += 1
+        STATS["steps with an orphan-able sequence"] += bool(self._payers())
 
 
-_FAST = settings(max_examples=200, stateful_step_count=30, deadline=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-_SLOW = settings(max_examples=5000, stateful_step_count=50, deadline=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+FAST = settings(max_examples=100, stateful_step_count=30, deadline=None, derandomize=True,
+                database=None, suppress_health_check=_HEALTH)
+SLOW = settings(max_examples=2000, stateful_step_count=60, deadline=None, derandomize=True,
+                database=None, suppress_health_check=_HEALTH)
+
+# What the default run must reach. Its derandomized counts are printed; over 14 runs with random
+# seeds the smallest were: admits 318, appended tokens 68, prefix hits 47, forks 40, pins 115,
+# unpins 26, heir transfers 21 (over quota 1, exactly at it 3), blocks returned 285, refusals
+# 5-86 per reason. The floors sit near half of those minima, so only a change that made the
+# machine stop reaching something trips them (any edit of this file reshuffles the programs).
+FLOORS = {
+    "admits": 150, "appended tokens": 30, "prefix hits": 20, "forks": 20, "pins": 50,
+    "unpins": 10, "heir transfers": 8, "heir over quota": 1, "heir exactly at quota": 1,
+    "blocks returned": 140, "admit: over token quota": 20, "admit: over byte quota": 40,
+    "admit: pool full": 2, "fork: no sequence slot": 30, "append: over byte quota": 5,
+    "aligned prompt wholly cached, last block computed": 10, "invalid calls": 80,
+}
 
 
-class TestKVStateMachine(KVStateMachine.TestCase):
-    settings = _FAST
+def _run(machine, how, capsys):
+    STATS.clear()
+    run_state_machine_as_test(machine, settings=how)
+    stats = dict(sorted(STATS.items()))
+    with capsys.disabled():
+        print(f"\n{machine.__name__} exploration: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
+    return stats
+
+
+def test_state_machine(capsys):
+    stats = _run(KVMachine, FAST, capsys)
+    low = {k: (stats.get(k, 0), floor) for k, floor in FLOORS.items() if stats.get(k, 0) < floor}
+    assert not low, f"the machine stopped exploring: (count, floor) {low}"
+
+
+# Forced hash collisions (every full block's hash is 0, every hashed block of a salt is a
+# candidate): only the token, salt and parent/generation checks separate contexts, and a stale
+# parent (freed, reused) is a live candidate.
+COLLIDE = dataclasses.replace(TINY, hash_bits=0, lookup_candidates=8)
+
+
+class CollidingKVMachine(KVMachine):
+    config = COLLIDE
 
 
 @pytest.mark.slow
-class TestKVStateMachineSlow(KVStateMachine.TestCase):
-    settings = _SLOW
+@pytest.mark.parametrize("machine", [KVMachine, CollidingKVMachine])
+def test_state_machine_long(machine, capsys):
+    stats = _run(machine, SLOW, capsys)
+    low = {k: (stats.get(k, 0), 10 * f) for k, f in FLOORS.items() if stats.get(k, 0) < 10 * f}
+    assert not low, f"the machine stopped exploring: (count, floor) {low}"
