@@ -27,11 +27,10 @@
 # JAX_DEFAULT_MATMUL_PRECISION=highest (the kernel asks for HIGHEST itself).
 #
 # The benchmark (experiments/bench_attention.py) writes a run directory (here under $OUT/runs):
-# points.jsonl is appended point by point, metrics.json last. Its GPU part measures copy, ours,
-# peer and int8 as ONE point, appended only once all four are done, so a failure in any of them
-# (e.g. the peer kernel) loses all four: step 1 runs it without the knob sweep to keep that piece
-# short, and the sweep (whose points are appended one by one, so a timeout keeps those measured)
-# runs separately in step 4, into a run directory of its own.
+# points.jsonl is appended point by point, metrics.json last (marked partial if interrupted). Its
+# GPU sections (copy, ours, peer, int8) each compile and record in their own try, so a failure in
+# one (e.g. the peer kernel) keeps the others: step 1 runs them without the knob sweep, and the
+# sweep alone (--gpu_sections=sweep) runs in step 4, into a run directory of its own.
 set -u
 OUT="${OUT:?set OUT to an output directory}"
 PY="${PYTHON:-python3}"
@@ -150,7 +149,7 @@ step bench_tiers 70 30 bench_tiers.log \
 
 # 4. Knob sweep (pages_per_block x k_splits x num_warps), only with the time left.
 step bench_sweep 60 30 bench_attention_gpu_sweep.log \
-  "$PY" -m experiments.bench_attention --json --skip_cpu --gpu_sweep --repeats 10 \
+  "$PY" -m experiments.bench_attention --json --skip_cpu --gpu_sections=sweep --repeats 10 \
   --runs_dir "$OUT/runs" --out "$OUT/bench_attention_gpu_sweep.json"
 
 echo "total s=$(( $(date +%s) - START ))" | tee -a "$STATUS"
