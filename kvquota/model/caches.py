@@ -24,6 +24,14 @@ sequence holds nothing of contributes lse = -inf (weight 0); a pool nobody in th
 is skipped at run time (`lax.cond`). With no compressed pool the path is the single-pool one,
 unchanged: the raw table, one kernel call, no merge.
 
+Attention mass (`_paged_attend_mass`, decode only, opt-in): the attention each cached token
+receives, f32[B, M * P] by cache index, summed over KV heads of the mean over the query heads of
+each group (the kernels' `mass="token"`). Single pool: the kernels' mass as is. Mixed pools: a
+pool's mass is normalized within the pool, so each query head's is weighted by its share of
+the merged softmax, exp(lse_pool - lse_merged), before the group mean (hence one kernel call
+per head: each query head is its own batch row), and mapped back from the pool's compacted
+columns to the table's (`PoolTables.slots`).
+
 Both writes drop padding tokens by pointing them out of bounds (`mode="drop"`); the sentinel
 (negative) is never used as an index, since negative indices would wrap around. Paged writes go
 to pool 0 only: a block id outside pool 0 (a compressed block: never the tail for a correct
@@ -111,11 +119,14 @@ class PoolTables:
     """Per-pool block tables of one chunk (see `pool_tables`), derived once per forward call.
 
     tables[p]: i32[B, M] local page ids of the sequence's blocks in pool p, compacted to the
-    front in table order, INVALID past them; lengths[p]: i32[B] tokens those blocks hold.
+    front in table order, INVALID past them; lengths[p]: i32[B] tokens those blocks hold;
+    slots[p]: i32[B, M] each table column's compacted column in pool p, -1 where the column is
+    no held entry of pool p (maps a pool's per-column results back to the table).
     """
 
     tables: tuple
     lengths: tuple
+    slots: tuple = ()
 
 
 def pool_tables(block_tables, lengths, pool_starts, pool_sizes, page_size: int) -> PoolTables:
@@ -128,16 +139,17 @@ def pool_tables(block_tables, lengths, pool_starts, pool_sizes, page_size: int) 
     col = jnp.arange(m, dtype=jnp.int32)
     held = jnp.clip(lengths[:, None] - col[None, :] * page_size, 0, page_size)  # [B, M]
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, m))
-    tables, lens = [], []
+    tables, lens, slots = [], [], []
     for start, size in zip(pool_starts, pool_sizes):
         inside = (held > 0) & (block_tables >= start) & (block_tables < start + size)
         dest = jnp.cumsum(inside.astype(jnp.int32), axis=1) - 1
+        slots.append(jnp.where(inside, dest, -1))
         dest = jnp.where(inside, dest, m)  # others out of bounds -> dropped
         local = jnp.full((b, m), INVALID, jnp.int32).at[rows, dest].set(
             block_tables - start, mode="drop")
         tables.append(local)
         lens.append(jnp.sum(jnp.where(inside, held, 0), axis=1).astype(jnp.int32))
-    return PoolTables(tables=tuple(tables), lengths=tuple(lens))
+    return PoolTables(tables=tuple(tables), lengths=tuple(lens), slots=tuple(slots))
 
 
 @flax.struct.dataclass
@@ -321,3 +333,73 @@ def _paged_attend(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: float, ba
         lses.append(lse)
     out, _ = paged_attention.merge_attention(outs, lses)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Attention mass (decode).
+
+
+def _decode_per_head(q, k_pages, v_pages, tables, lengths, sm_scale: float, backend: str):
+    """Decode of q [B, Hq, D] over one pool with each query head its own batch row (group 1),
+    so the kernels' mass is per head -> (out [B, Hq, D], lse f32[B, Hq], mass f32[B, Hq, M*P]).
+    A pool no sequence of the batch holds anything of is skipped (`lax.cond`)."""
+    from kernels import paged_attention
+
+    b, hq, d = q.shape
+    hkv = jax.tree_util.tree_leaves(k_pages)[0].shape[0]
+    g = hq // hkv
+    width = tables.shape[1] * k_pages.shape[2]  # M * P (QuantizedPages has the logical shape)
+    qh = q.reshape(b, hkv, g, d).transpose(0, 2, 1, 3).reshape(b * g, hkv, d)
+
+    def run():
+        out, aux = paged_attention.decode(qh, k_pages, v_pages, jnp.repeat(tables, g, axis=0),
+                                          jnp.repeat(lengths, g), sm_scale=sm_scale,
+                                          mass="token", backend=backend)
+        return out, aux.lse, aux.mass
+
+    def empty():
+        return (jnp.zeros(qh.shape, q.dtype), jnp.full(qh.shape[:2], -jnp.inf, jnp.float32),
+                jnp.zeros((b * g, hkv, width), jnp.float32))
+
+    out, lse, mass = lax.cond(jnp.any(lengths > 0), run, empty)
+    out = out.reshape(b, g, hkv, d).transpose(0, 2, 1, 3).reshape(b, hq, d)
+    lse = lse.reshape(b, g, hkv).transpose(0, 2, 1).reshape(b, hq)
+    mass = mass.reshape(b, g, hkv, width).transpose(0, 2, 1, 3).reshape(b, hq, width)
+    return out, lse, mass
+
+
+def _paged_attend_mass(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: float,
+                       backend: str):
+    """Decode attention (q [B, 1, Hq, D]) and the mass each cached token receives ->
+    (out [B, 1, Hq, D], mass f32[B, M * P]: column i = cache index i of the row's sequence,
+    summed over KV heads of the mean over each group's query heads; see the module docstring).
+    """
+    from kernels import paged_attention
+
+    if q.shape[1] != 1:
+        raise ValueError(f"attention mass is computed for decode (T == 1), got T = {q.shape[1]}")
+    b, _, hq, _ = q.shape
+    k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]
+    page, m = cache.k_pages.shape[3], meta.block_tables.shape[1]
+    if not cache.compressed:  # the single-pool path's call, its out unchanged
+        out, aux = paged_attention.decode(q[:, 0], k_pages, v_pages, meta.block_tables,
+                                          meta.lengths, sm_scale=sm_scale, mass="token",
+                                          backend=backend)
+        return out[:, None], jnp.sum(aux.mass, axis=1)
+    pools = meta.pools
+    parts = [(k_pages, v_pages)] + [(_at_layer(kp, layer), _at_layer(vp, layer))
+                                    for kp, vp in cache.compressed]
+    results = [_decode_per_head(q[:, 0], kp, vp, pools.tables[p], pools.lengths[p], sm_scale,
+                                backend) for p, (kp, vp) in enumerate(parts)]
+    out, lse = paged_attention.merge_attention([r[0] for r in results], [r[1] for r in results])
+    hkv = cache.k_pages.shape[1]
+    mass = jnp.zeros((b, m, page), jnp.float32)
+    for p, (_, lse_p, mass_p) in enumerate(results):
+        share = jnp.where(jnp.isfinite(lse_p), jnp.exp(lse_p - jnp.where(
+            jnp.isfinite(lse), lse, 0.0)), 0.0)  # [B, Hq]: the pool's part of the softmax
+        pooled = jnp.sum(share[..., None] * mass_p, axis=1) / (hq // hkv)  # compacted columns
+        slots = pools.slots[p]  # [B, M]
+        back = jnp.take_along_axis(pooled.reshape(b, m, page), jnp.maximum(slots, 0)[..., None],
+                                   axis=1)
+        mass = mass + jnp.where((slots >= 0)[..., None], back, 0.0)
+    return out[:, None], mass.reshape(b, m * page)

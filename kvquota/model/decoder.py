@@ -13,6 +13,11 @@ where `meta` (`ChunkMeta`) says where the chunk sits in the cache: row b's token
 `meta.start[b] + t` and is real only when `t < meta.num_new[b]` (the rest is padding: its K/V are
 never written and its logits mean nothing). The two caches (`DenseKV`, `PagedKV`) and their writes and attention live in
 `kvquota.model.caches`.
+
+With `with_mass=True` (a decode step, T == 1, on a `PagedKV`) the call also returns the attention
+mass each cached token received, f32[B, M * P] by cache index (M = the block table's width),
+summed over layers and KV heads of the mean over each group's query heads; it is summed in the
+scan's carry. Off (the default), nothing of it is traced.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from kvquota.model.caches import (
     _dense_attend,
     _dense_write,
     _paged_attend,
+    _paged_attend_mass,
     _paged_write,
     init_dense_cache,
     pool_tables,
@@ -68,7 +74,8 @@ class Attention(nn.Module):
     backend: str = "auto"
 
     @nn.compact
-    def __call__(self, x, layer, cos, sin, cache, meta: ChunkMeta):
+    def __call__(self, x, layer, cos, sin, cache, meta: ChunkMeta, with_mass: bool = False):
+        """-> (output, cache), or (output, cache, mass f32[B, M*P]) with `with_mass`."""
         cfg = self.config
         batch, chunk, _ = x.shape
         d = cfg.head_dim
@@ -81,7 +88,11 @@ class Attention(nn.Module):
         k = apply_rope(proj("k_proj", cfg.num_kv_heads), cos, sin)
         v = proj("v_proj", cfg.num_kv_heads)
         sm_scale = 1.0 / math.sqrt(d)
-        if isinstance(cache, DenseKV):
+        mass = None
+        if with_mass:  # a decode step on a PagedKV (checked by Decoder)
+            cache = _paged_write(cache, layer, k, v, meta)
+            out, mass = _paged_attend_mass(cache, layer, q, meta, sm_scale, self.backend)
+        elif isinstance(cache, DenseKV):
             cache = _dense_write(cache, layer, k, v, meta)
             out = _dense_attend(cache, layer, q, meta, sm_scale)
         elif isinstance(cache, PagedKV):
@@ -90,7 +101,8 @@ class Attention(nn.Module):
         else:
             raise TypeError(f"unknown cache type {type(cache).__name__}")
         out = out.astype(x.dtype).reshape(batch, chunk, cfg.num_q_heads * d)
-        return nn.Dense(cfg.hidden_size, use_bias=False, name="o_proj")(out), cache
+        out = nn.Dense(cfg.hidden_size, use_bias=False, name="o_proj")(out)
+        return (out, cache) if mass is None else (out, cache, mass)
 
 
 class MLP(nn.Module):
@@ -109,21 +121,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Scanned over layers."""
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Scanned over layers.
+
+    The carry is (h, cache), or with `with_mass` (h, cache, mass summed over the layers so far).
+    """
 
     config: ModelConfig
     backend: str = "auto"
+    with_mass: bool = False
 
     @nn.compact
     def __call__(self, carry, layer, cos, sin, meta):
-        h, cache = carry
+        h, cache = carry[:2]
         eps = self.config.rms_eps
-        a, cache = Attention(self.config, self.backend, name="attn")(
-            nn.RMSNorm(epsilon=eps, name="attn_norm")(h), layer, cos, sin, cache, meta
+        a, cache, *mass = Attention(self.config, self.backend, name="attn")(
+            nn.RMSNorm(epsilon=eps, name="attn_norm")(h), layer, cos, sin, cache, meta,
+            self.with_mass,
         )
         h = h + a
         h = h + MLP(self.config, name="mlp")(nn.RMSNorm(epsilon=eps, name="mlp_norm")(h))
-        return (h, cache), None
+        return ((h, cache, carry[2] + mass[0]) if self.with_mass else (h, cache)), None
 
 
 class Decoder(nn.Module):
@@ -138,9 +155,12 @@ class Decoder(nn.Module):
     backend: str = "auto"
 
     @nn.compact
-    def __call__(self, tokens, positions, cache, meta: ChunkMeta, last_only: bool = False):
+    def __call__(self, tokens, positions, cache, meta: ChunkMeta, last_only: bool = False,
+                 with_mass: bool = False):
         """With `last_only`, logits only at each row's last real token: [B, 1, V] (prefill for
-        generation needs no more, and the vocabulary projection is a large share of the work)."""
+        generation needs no more, and the vocabulary projection is a large share of the work).
+        With `with_mass` (decode, PagedKV): (logits, cache, mass f32[B, M*P]), see the module
+        docstring."""
         cfg = self.config
         if isinstance(cache, PagedKV) and cache.compressed:
             cache.check_layout()
@@ -156,9 +176,16 @@ class Decoder(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
-        )(cfg, self.backend, name="layers")
+        )(cfg, self.backend, with_mass, name="layers")
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (h, cache), _ = layers((h, cache), layer_ids, cos, sin, meta)
+        carry = (h, cache)
+        if with_mass:
+            if not isinstance(cache, PagedKV) or tokens.shape[1] != 1:
+                raise ValueError("with_mass needs a decode step (T == 1) on a PagedKV cache, got "
+                                 f"T = {tokens.shape[1]} on {type(cache).__name__}")
+            width = meta.block_tables.shape[1] * cache.k_pages.shape[3]
+            carry = carry + (jnp.zeros((tokens.shape[0], width), jnp.float32),)
+        (h, cache, *mass), _ = layers(carry, layer_ids, cos, sin, meta)
         if last_only:
             last = jnp.maximum(meta.num_new - 1, 0)[:, None, None]  # [B, 1, 1]
             h = jnp.take_along_axis(h, last, axis=1)  # [B, 1, H]
@@ -167,7 +194,7 @@ class Decoder(nn.Module):
             logits = embed.attend(h)
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")(h)
-        return logits.astype(jnp.float32), cache
+        return (logits.astype(jnp.float32), cache, *mass)
 
 
 def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.02):

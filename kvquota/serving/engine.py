@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.models import ModelConfig
+from kvquota.core.statistics import record_mass
 from kvquota.errors import ContextTooLongError
 from kvquota.model.caches import ChunkMeta, PagedKV
 from kvquota.model.decoder import Decoder
@@ -44,17 +45,18 @@ from kvquota.serving.sampling import Sampling, sample_tokens
 # Jitted model calls.
 
 
-@functools.partial(jax.jit, static_argnames=("model", "last_only", "pool_starts"),
+@functools.partial(jax.jit, static_argnames=("model", "last_only", "pool_starts", "record"),
                    donate_argnames=("state",))
 def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_new, positions,
-                   *, last_only: bool, pool_starts: tuple[int, ...]):
-    """One chunk over the paged state (donates `state`).
+                   *, last_only: bool, pool_starts: tuple[int, ...], record=None):
+    """One chunk over the paged state (donates `state`); with `record` (static, decode only: a
+    StateConfig) the step's attention mass is added into `blocks.attn_mass` and returned too.
 
     seq_ids i32[B] (INVALID rows are padding), tokens/positions i32[B, T], start/num_new i32[B].
     `pool_starts` (static): first global block id of each device pool the model reads, pool 0
-    then the compressed pools (`StateConfig.pool_starts` without the host pool, which kernels
-    never read); `(0,)` reads pool 0 alone. Only pool 0 is written back.
-    Returns (state with the chunk's K/V written, logits [B, V] if last_only else [B, T, V]).
+    then the compressed pools (`StateConfig.pool_starts` less the host pool); `(0,)`: pool 0
+    alone. Only pool 0 is written back. Returns (state with the chunk's K/V written, logits
+    [B, V] if last_only else [B, T, V][, mass f32[B, M * P]: `Decoder`'s with_mass]).
     """
     valid = seq_ids >= 0
     tables = state.seqs.block_tables[jnp.clip(seq_ids, 0)]
@@ -65,10 +67,13 @@ def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_ne
     compressed = tuple((pool.k, pool.v) for pool in state.pages[1:len(pool_starts)])
     cache = PagedKV(k_pages=pool0.k, v_pages=pool0.v, compressed=compressed,
                     pool_starts=pool_starts)
-    logits, cache = model.apply({"params": params}, tokens, positions, cache, meta, last_only)
+    logits, cache, *mass = model.apply({"params": params}, tokens, positions, cache, meta,
+                                       last_only, record is not None)  # mass: [] or [f32[B, C]]
     pool0 = pool0.replace(k=cache.k_pages, v=cache.v_pages)
     state = state.replace(pages=(pool0,) + state.pages[1:])
-    return state, (logits[:, 0] if last_only else logits)
+    if record is not None:  # the engine's own rows: unique, running (no facade validation)
+        state, _ = record_mass(record, state, seq_ids, mass[0])
+    return (state, logits[:, 0] if last_only else logits, *mass)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "last_only"), donate_argnames=("cache",))
@@ -259,10 +264,11 @@ class PagedEngine(_Engine):
       chunk_size: prefill chunk length (tokens per sequence per forward call).
       backend: `kernels.paged_attention` backend ("auto": Pallas on GPU, reference on CPU).
       state: an existing state to serve from (default: a fresh one); the engine takes it over.
+      record_attention: decode steps add their attention mass into `blocks.attn_mass` (`last_mass`).
     """
 
     def __init__(self, config: ModelConfig, params, state_config, *, chunk_size: int = 256,
-                 backend: str = "auto", state=None):
+                 backend: str = "auto", state=None, record_attention: bool = False):
         from kvquota.allocator import Allocator
 
         if state_config.model != config:
@@ -279,6 +285,7 @@ class PagedEngine(_Engine):
         self.state = self.allocator.init() if state is None else state
         self.chunk_size = chunk_size
         self.model = Decoder(config, backend=backend)
+        self._record, self.last_mass = (state_config if record_attention else None), None
 
     @property
     def state_config(self):
@@ -383,21 +390,20 @@ class PagedEngine(_Engine):
         """One decode step: append `tokens` i32[B] to `seq_ids` i32[B] (INVALID = padding) and
         run the model on them. Returns (AppendReport with host arrays, logits f32[B, V])."""
         seq_ids = np.asarray(seq_ids, np.int32)
-        real = seq_ids >= 0
-        state = self.state
-        start = np.where(real, np.asarray(state.seqs.seq_lens)[np.maximum(seq_ids, 0)], 0)
-        position = np.where(real, np.asarray(state.seqs.positions)[np.maximum(seq_ids, 0)], 0)
+        real, at = seq_ids >= 0, np.maximum(seq_ids, 0)
+        start = np.where(real, np.asarray(self.state.seqs.seq_lens)[at], 0).astype(np.int32)
+        position = np.where(real, np.asarray(self.state.seqs.positions)[at], 0).astype(np.int32)
         if real.any():
             check_context(self.config, int(position[real].max()) + 1, "decode")
-        self.state, report = self.allocator.append(state, seq_ids, tokens, donate=True)
+        self.state, report = self.allocator.append(self.state, seq_ids, tokens, donate=True)
         report = jax.tree_util.tree_map(np.asarray, report)
         rows = np.where(report.appended, seq_ids, INVALID).astype(np.int32)
-        self.state, logits = _paged_forward(
+        self.state, logits, *mass = _paged_forward(
             self.model, self.params, self.state, jnp.asarray(rows),
-            jnp.asarray(np.asarray(tokens, np.int32)[:, None]),
-            jnp.asarray(start.astype(np.int32)), jnp.asarray(report.appended.astype(np.int32)),
-            jnp.asarray(position.astype(np.int32)[:, None]), last_only=True,
-            pool_starts=self.pool_starts)
+            jnp.asarray(np.asarray(tokens, np.int32)[:, None]), jnp.asarray(start),
+            jnp.asarray(report.appended.astype(np.int32)), jnp.asarray(position[:, None]),
+            last_only=True, pool_starts=self.pool_starts, record=self._record)
+        self.last_mass = mass[0] if mass else None  # f32[B, M * P] with record_attention
         return report, logits
 
     def free(self, seq_ids):

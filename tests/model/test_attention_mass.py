@@ -1,0 +1,271 @@
+"""Attention mass from the decode path (`Decoder(with_mass=True)`) and its recording into the
+state (`PagedEngine(record_attention=True)`), tiny model, f32, reference kernels unless named.
+
+The oracle is a dense recomputation from the model's own pieces: the layers run one at a time
+(`DecoderLayer` over a `DenseKV` holding the K/V the paged step wrote, gathered through the
+table), each layer's queries rebuilt from its params (norm, q projection, RoPE), the softmax
+over the cached keys taken densely, averaged over each group's query heads and summed over KV
+heads and layers. Mixed pools: the mixed state's mass against the oracle's on the single-pool
+state holding the dequantized pages (`test_mixed_pools`' surgery), i.e. the per-pool masses
+weighted by exp(lse_pool - lse_merged) and mapped back to table columns.
+
+Tolerance: per-token masses in [0, 1] summed over layers and KV heads, f32; both sides take the
+same softmax in another order (online over table chunks vs one dense pass in f64; per-pool
+parts merged vs one pool), the oracle's layer inputs through the dense attention path: measured
+max |diff| 1.5e-7 (single pool, tiny-qwen-untied) and 5e-8 (mixed); 1.5e-6 is 10x that. Measured
+on purpose-broken variants: pools unweighted ~0.1, compacted columns not mapped back ~0.14,
+each pool weighted by its group-mean share instead of per query head ~5e-3.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs.models import get_model_config
+from kvquota import model as M
+from kvquota.model import caches as C
+from kvquota.model import decoder as D
+from kvquota.sentinel import INVALID
+from kvquota.serving import engine as E
+from kvquota.state import StateConfig
+from tests.model import test_mixed_pools as MP
+
+ATOL = 1.5e-6  # per-token mass vs the dense recomputation (see the module docstring)
+P = 8
+LENGTHS = (13, 29, 8, 40)  # mid-block, a block boundary (8, 40: the step opens a new block)
+
+
+@pytest.fixture(autouse=True)
+def _f32_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen", "tiny-qwen-untied"])
+def model(request):
+    config = get_model_config(request.param)
+    return config, M.init_params(config, seed=3, scale=0.1)
+
+
+def _engine(config, params, *, record, backend="auto", compressed=(), host_blocks=0):
+    sc = StateConfig(model=config, num_blocks=48, block_size=P, max_seqs=6, max_blocks_per_seq=8,
+                     num_tenants=1, kv_format="f32", compressed_pools=compressed,
+                     host_blocks=host_blocks)
+    eng = E.PagedEngine(config, params, sc, chunk_size=16, backend=backend,
+                        record_attention=record)
+    eng.register_tenant(0, token_quota=10_000, byte_quota=eng.max_byte_quota)
+    return eng
+
+
+def _admitted(eng, lengths=LENGTHS, seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(0, eng.config.vocab_size, n)] for n in lengths]
+    report, last = eng.admit([0] * len(prompts), prompts)
+    assert report.admitted.all()
+    return report.seq_id.astype(np.int32), np.asarray(last).argmax(-1).astype(np.int32)
+
+
+def _dense_mass(eng, ids, tokens):
+    """The oracle: mass f32[B, M*P] of the decode step of `tokens` just taken by `eng` (its
+    state holds the step's K/V; ids all real)."""
+    cfg, params, sc = eng.config, eng.params, eng.state_config
+    lengths = np.asarray(eng.state.seqs.seq_lens)[ids]
+    width = sc.max_blocks_per_seq * P
+    col = np.arange(width)
+    tables = np.asarray(eng.state.seqs.block_tables)[ids][:, col // P]  # [B, C]
+    visible = col[None] < lengths[:, None]
+    blocks = np.where(visible, tables, 0)
+    kv = [np.asarray(getattr(eng.state.pages[0], n))[:, :, blocks, col % P] for n in "kv"]
+    kv = [jnp.asarray(np.where(visible[None, None, :, :, None], a, 0.0).transpose(0, 2, 1, 3, 4))
+          for a in kv]  # [L, B, Hkv, C, D], zero past the length (unwritten pages may be NaN)
+    cache = C.DenseKV(k=kv[0], v=kv[1])
+    positions = jnp.asarray(np.asarray(eng.state.seqs.positions)[ids] - 1)[:, None]
+    meta = C.ChunkMeta(start=jnp.asarray(lengths - 1), num_new=jnp.ones(len(ids), jnp.int32))
+    cos, sin = D.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    h = params["embed"]["embedding"][jnp.asarray(tokens)][:, None]
+    g = cfg.num_q_heads // cfg.num_kv_heads
+    mass = np.zeros((len(ids), width), np.float64)
+    for layer in range(cfg.num_layers):
+        lp = jax.tree.map(lambda a, l=layer: a[l], params["layers"])
+        x = nn.RMSNorm(epsilon=cfg.rms_eps).apply({"params": lp["attn_norm"]}, h)
+        q = nn.Dense(cfg.num_q_heads * cfg.head_dim, use_bias=cfg.qkv_bias).apply(
+            {"params": lp["attn"]["q_proj"]}, x).reshape(len(ids), 1, cfg.num_q_heads, -1)
+        q = np.asarray(D.apply_rope(q, cos, sin))[:, 0].reshape(len(ids), cfg.num_kv_heads, g, -1)
+        k = np.asarray(cache.k[layer], np.float64)  # [B, Hkv, C, D]
+        s = np.einsum("bkgd,bkcd->bkgc", q, k) / np.sqrt(cfg.head_dim)
+        s = np.where(visible[:, None, None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        mass += (p / p.sum(-1, keepdims=True)).mean(2).sum(1)
+        (h, cache), _ = D.DecoderLayer(cfg).apply({"params": lp}, (h, cache), layer, cos, sin,
+                                                  meta)
+    return mass
+
+
+def test_decode_mass_matches_dense_softmax(model):
+    """One decode step's mass per cache index == the dense softmax of the model's own q and K;
+    each row sums to layers * KV heads; nothing past a sequence's length."""
+    config, params = model
+    eng = _engine(config, params, record=True)
+    ids, tokens = _admitted(eng)
+    _, logits = eng.decode(ids, tokens)
+    got = np.asarray(eng.last_mass)
+    lengths = np.asarray(eng.state.seqs.seq_lens)[ids]
+    assert got.shape == (len(ids), 8 * P) and got.dtype == np.float32
+    np.testing.assert_allclose(got, _dense_mass(eng, ids, tokens), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(got.sum(-1), config.num_layers * config.num_kv_heads, rtol=1e-5)
+    assert (got[np.arange(got.shape[1])[None] >= lengths[:, None]] == 0).all()
+    assert (got[np.arange(got.shape[1])[None] < lengths[:, None]] > 0).all()
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_padding_rows_get_no_mass(model):
+    """An INVALID row of the batch (nothing attended) has mass 0; the others still sum right."""
+    config, params = model
+    eng = _engine(config, params, record=True)
+    ids, tokens = _admitted(eng)
+    rows = ids.copy()
+    rows[1] = INVALID
+    eng.decode(rows, tokens)
+    got = np.asarray(eng.last_mass)
+    assert (got[1] == 0).all()
+    np.testing.assert_allclose(np.delete(got, 1, 0).sum(-1),
+                               config.num_layers * config.num_kv_heads, rtol=1e-5)
+
+
+def test_record_attention_accumulates_per_step_mass(model):
+    """N decode steps (two crossing a block boundary, one with a padding row): attn_mass read
+    through the tables == the sum of the steps' masses; untouched blocks stay zero; the
+    invariants hold."""
+    config, params = model
+    eng = _engine(config, params, record=True)
+    ids, tokens = _admitted(eng)
+    want = np.zeros((len(ids), 8 * P), np.float32)
+    for step in range(4):
+        rows = ids.copy()
+        if step == 2:
+            rows[0] = INVALID
+        _, logits = eng.decode(rows, tokens)
+        mass = np.asarray(eng.last_mass)
+        want[rows >= 0] += mass[rows >= 0]
+        tokens = np.asarray(logits).argmax(-1).astype(np.int32)
+    eng.allocator.check(eng.state)
+    lengths = np.asarray(eng.state.seqs.seq_lens)[ids]
+    tables = np.asarray(eng.state.seqs.block_tables)[ids]
+    acc = np.asarray(eng.state.blocks.attn_mass)
+    seen = np.zeros(acc.shape[0], bool)
+    for b in range(len(ids)):
+        i = np.arange(lengths[b])
+        np.testing.assert_allclose(acc[tables[b, i // P], i % P], want[b, i], rtol=1e-6, atol=0)
+        assert (want[b, lengths[b]:] == 0).all()
+        seen[tables[b, : -(-lengths[b] // P)]] = True
+    assert (acc[~seen] == 0).all()
+    assert acc.sum() == pytest.approx(want.sum(), rel=1e-6)
+
+
+def test_option_off_changes_nothing(model):
+    """record_attention off: attn_mass stays zero, no mass is kept, the forward returns what it
+    did; on: the same logits bitwise (the kernels' out does not depend on the mass pass)."""
+    config, params = model
+    runs = {}
+    for record in (False, True):
+        eng = _engine(config, params, record=record)
+        ids, tokens = _admitted(eng)
+        logits = []
+        for _ in range(3):
+            _, out = eng.decode(ids, tokens)
+            logits.append(np.asarray(out))
+            tokens = logits[-1].argmax(-1).astype(np.int32)
+        runs[record] = logits
+        if not record:
+            assert eng.last_mass is None
+            assert not np.asarray(eng.state.blocks.attn_mass).any()
+    for a, b in zip(runs[False], runs[True]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_with_mass_needs_a_paged_decode_step(model):
+    config, params = model
+    dec = D.Decoder(config)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    meta = C.ChunkMeta(start=jnp.zeros(1, jnp.int32), num_new=jnp.full(1, 2, jnp.int32))
+    with pytest.raises(ValueError, match="with_mass needs a decode step"):
+        dec.apply({"params": params}, tokens, tokens, C.init_dense_cache(config, 1, 4), meta,
+                  with_mass=True)
+
+
+# ---- mixed pools -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixed_model():
+    config = get_model_config("tiny-qwen")  # test_mixed_pools' model
+    return config, M.init_params(config, seed=5, scale=0.1)
+
+
+class _PoolZeroOnly(E.PagedEngine):
+    """The oracle engine read through pool 0 alone: the single-pool path (its compressed pools
+    are configured but empty)."""
+
+    pool_starts = (0,)
+
+
+def _mixed_and_oracle(mixed_model, layout, backend="auto"):
+    mixed, oracle, ids = MP._scenario(mixed_model, layout, backend=backend)
+    for eng in (mixed, oracle):  # the prompts' last chunk (a prefill after the compression)
+        MP._chunk(eng, ids, 3 * MP.CHUNK)
+    for eng in (mixed, oracle):
+        eng._record = eng.state_config  # what record_attention=True sets
+    oracle.__class__ = _PoolZeroOnly
+    return mixed, oracle, ids
+
+
+@pytest.mark.parametrize("layout", ["int8", "all"])
+def test_mixed_pool_mass_matches_single_pool_and_dense(mixed_model, layout):
+    """A table mixing pool-0 and compressed blocks (`test_mixed_pools`' surgery): the merged
+    mass by table column == the dequantized single-pool oracle's, and == the dense softmax; rows
+    sum to layers * KV heads (so the pools' weights are their shares of the merged softmax)."""
+    config = mixed_model[0]
+    mixed, oracle, ids = _mixed_and_oracle(mixed_model, layout)
+    tokens = np.array([3, 1, 4], np.int32)
+    for _ in range(2):  # sequence 0 opens pool-0 block 6 on the first step
+        _, lm = mixed.decode(ids, tokens)
+        _, lo = oracle.decode(ids, tokens)
+        got, want = np.asarray(mixed.last_mass), np.asarray(oracle.last_mass)
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+        np.testing.assert_allclose(got, _dense_mass(oracle, ids, tokens), rtol=0, atol=ATOL)
+        np.testing.assert_allclose(got.sum(-1), config.num_layers * config.num_kv_heads,
+                                   rtol=1e-5)
+        MP._close(np.asarray(lm), np.asarray(lo))
+        tokens = np.asarray(lo).argmax(-1).astype(np.int32)
+    # the recorded mass lands on the compressed blocks too (by their global ids)
+    acc = np.asarray(mixed.state.blocks.attn_mass)
+    tables = np.asarray(mixed.state.seqs.block_tables)[ids]
+    moved = [tables[row, col] for row, col, *_ in MP.LAYOUTS[layout]]
+    assert all(b >= mixed.state_config.num_blocks and acc[b].sum() > 0 for b in moved)
+    # (no Allocator.check here: the surgery leaves the ledger of the moved blocks as it was)
+    np.testing.assert_allclose(acc.sum(), 2 * len(ids) * config.num_layers
+                               * config.num_kv_heads, rtol=1e-5)
+
+
+def test_mass_through_pallas_kernel(mixed_model):
+    """The Pallas kernels (interpreted on CPU) give the reference path's mass: single pool."""
+    config, params = mixed_model
+    masses = []
+    for backend in ("reference", "pallas"):
+        eng = _engine(config, params, record=True, backend=backend)
+        ids, tokens = _admitted(eng, lengths=(13, 8))
+        eng.decode(ids, tokens)
+        masses.append(np.asarray(eng.last_mass))
+    np.testing.assert_allclose(masses[1], masses[0], rtol=0, atol=ATOL)
+
+
+def test_mixed_pool_mass_through_pallas_kernel(mixed_model):
+    """The same over the Pallas kernels (interpreted on CPU) against the reference oracle."""
+    mixed, oracle, ids = _mixed_and_oracle(mixed_model, "all", backend="pallas")
+    tokens = np.array([3, 1, 4], np.int32)
+    mixed.decode(ids, tokens)
+    oracle.decode(ids, tokens)
+    np.testing.assert_allclose(np.asarray(mixed.last_mass), np.asarray(oracle.last_mass),
+                               rtol=0, atol=ATOL)
