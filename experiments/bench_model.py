@@ -9,7 +9,13 @@ one offset per row) and the same chunk size:
   * decode: mean wall time of a full step at that context (paged: the allocator's donated append
     with its validation, then the model; dense: the model) over --decode_steps steps after a
     warm-up step -> tokens/s = batch / step time.
-`ratio` = paged time / dense time (goal for decode: <= 1.25). Written to a run directory
+`ratio` = paged time / dense time (goal for decode: <= 1.25). `record_attention`: the cost of the
+attention statistics (DESIGN.md, tiered KV storage): a third engine, paged with
+`record_attention=True` (each decode step also asks the kernels for per-token attention mass
+and adds it into the state's `blocks.attn_mass`, in the same jitted step), timed in the same
+alternation -> its median step beside the plain paged one, `ratio` = on / off; `recorded_mass`
+checks the bookkeeping (the state's total mass / the expected steps * batch * layers * KV
+heads: 1.0). Written to a run directory
 (experiments/runs.py: one point per (batch, context) with the 1-minute load average when it was
 taken, the summary, plots) and, with --out, to a file (results/bench_model.json); a point that
 runs out of memory is recorded as data. Quick run: --batches=1 --contexts=64 --decode_steps=2.
@@ -82,8 +88,8 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
         return kq.DenseEngine(config, params, capacity=capacity, chunk_size=chunk,
                              cache_dtype=dtype)
 
-    def new_paged():
-        eng = kq.PagedEngine(config, params, sc, chunk_size=chunk)
+    def new_paged(record=False):
+        eng = kq.PagedEngine(config, params, sc, chunk_size=chunk, record_attention=record)
         eng.register_tenant(0, token_quota=2**31 - 1, byte_quota=eng.max_byte_quota)
         return eng
 
@@ -91,10 +97,11 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
     warm = new_dense()
     warm.prefill(prompts, max_chunks=1)
     warm.decode(np.arange(b), np.zeros(b, np.int32))
-    warm = new_paged()
-    report = warm.reserve([0] * b, prompts)
-    warm.prefill(report, prompts, max_chunks=1)
-    warm.decode(report.seq_id.astype(np.int32), np.zeros(b, np.int32))
+    for record in (False, True):
+        warm = new_paged(record)
+        report = warm.reserve([0] * b, prompts)
+        warm.prefill(report, prompts, max_chunks=1)
+        warm.decode(report.seq_id.astype(np.int32), np.zeros(b, np.int32))
     del warm
 
     dense = new_dense()
@@ -102,13 +109,18 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
     paged = new_paged()
     (report, last_p), paged_prefill = _timed(lambda: paged.admit([0] * b, prompts))
     seq_ids = report.seq_id.astype(np.int32)
+    recording = new_paged(record=True)
+    rec_report, last_r = recording.admit([0] * b, prompts)  # untimed: its prefill is paged's
+    rec_ids = rec_report.seq_id.astype(np.int32)
 
     # Decode: greedy on each side from its own logits; the first step is untimed.
     tok_d = last_d.argmax(-1).astype(np.int32)
     tok_p = last_p.argmax(-1).astype(np.int32)
     tok_d = np.asarray(dense.decode(np.arange(b), tok_d)).argmax(-1).astype(np.int32)
     tok_p = np.asarray(paged.decode(seq_ids, tok_p)[1]).argmax(-1).astype(np.int32)
-    dense_steps, paged_steps = [], []
+    tok_r = last_r.argmax(-1).astype(np.int32)
+    tok_r = np.asarray(recording.decode(rec_ids, tok_r)[1]).argmax(-1).astype(np.int32)
+    dense_steps, paged_steps, rec_steps = [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         tok_d = np.asarray(dense.decode(np.arange(b), tok_d)).argmax(-1).astype(np.int32)
@@ -116,9 +128,15 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
         start = time.perf_counter()
         tok_p = np.asarray(paged.decode(seq_ids, tok_p)[1]).argmax(-1).astype(np.int32)
         paged_steps.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        tok_r = np.asarray(recording.decode(rec_ids, tok_r)[1]).argmax(-1).astype(np.int32)
+        rec_steps.append(time.perf_counter() - start)
     dense_step, paged_step = float(np.median(dense_steps)), float(np.median(paged_steps))
+    rec_step = float(np.median(rec_steps))
     same_tokens = bool((tok_d == tok_p).all())
-    del dense, paged
+    expected_mass = (steps + 1) * b * config.num_layers * config.num_kv_heads
+    recorded = float(np.asarray(recording.state.blocks.attn_mass, np.float64).sum())
+    del dense, paged, recording
 
     return {
         "batch": b,
@@ -131,6 +149,10 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
         "decode_step_ms": {"dense": 1e3 * dense_step, "paged": 1e3 * paged_step,
                            "ratio": paged_step / dense_step},
         "same_greedy_tokens": same_tokens,
+        "record_attention": {"decode_step_ms": {"off": 1e3 * paged_step, "on": 1e3 * rec_step,
+                                                "ratio": rec_step / paged_step},
+                             "same_greedy_tokens": bool((tok_r == tok_p).all()),
+                             "recorded_mass": recorded / expected_mass},
         "load_average_1min": os.getloadavg()[0],
     }
 
@@ -177,10 +199,12 @@ def describe_point(point: dict) -> str:
     if "error" in point:
         return f"batch {point['batch']:2d} context {point['context']:5d}: {point['error']}"
     pre, step = point["prefill_tokens_per_s"], point["decode_step_ms"]
+    rec = point.get("record_attention", {}).get("decode_step_ms")
     return (f"batch {point['batch']:2d} context {point['context']:5d}: prefill tok/s dense "
             f"{pre['dense']:8.1f} paged {pre['paged']:8.1f} "
             f"(x{point['prefill_seconds']['ratio']:.2f} time) | decode step ms dense "
-            f"{step['dense']:7.1f} paged {step['paged']:7.1f} (x{step['ratio']:.2f})")
+            f"{step['dense']:7.1f} paged {step['paged']:7.1f} (x{step['ratio']:.2f})"
+            + (f" | recording attention {rec['on']:7.1f} (x{rec['ratio']:.2f})" if rec else ""))
 
 
 def plot(points, metrics, out_dir) -> list[str]:
