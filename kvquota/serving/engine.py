@@ -179,11 +179,14 @@ class _Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  tenants: Sequence[int] | None = None, sampling: Sampling = Sampling(),
-                 stop_ids: Sequence[int] = (), release: bool = True) -> list[Generation]:
+                 stop_ids: Sequence[int] = (), release: bool = True,
+                 on_step=None) -> list[Generation]:
         """Generates up to `max_new_tokens` for each prompt, batched (rows stop independently).
 
         `tenants` (paged engine only) names each prompt's tenant. With `release`, finished
         sequences are freed at the end; otherwise they stay cached (for a later `free`).
+        `on_step(seq_ids)` (paged engine only) runs after the prefill and after every decode
+        step on the live rows' sequence ids (INVALID for finished rows): a cache policy's hook.
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -207,6 +210,8 @@ class _Engine:
         for step in range(max_new_tokens):
             if not live.any():
                 break
+            if on_step is not None:
+                on_step(np.where(live, ids, INVALID).astype(np.int32))
             nxt = np.asarray(sample_tokens(
                 last, jax.random.fold_in(key, step),
                 temperature=float(sampling.temperature), top_k=int(sampling.top_k)))
