@@ -4,6 +4,8 @@ Float tolerances come from one per-dtype table and are never loosened to pass. P
 written are filled with NaN, so an attention read of a slot it should not see shows up.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -258,3 +260,51 @@ def test_generation_past_the_cache_capacity_is_refused_up_front():
         E.DenseEngine(config, params, capacity=16).generate([[1] * 10], 8)
     # Exactly full is fine: 29 + 3 appended = 32 slots (the 4th token is only sampled).
     assert len(eng.generate([[1] * 29], 4, tenants=[0])[0].tokens) == 4
+
+
+def test_rope_theta_reaches_the_model():
+    """The preset's RoPE theta drives the rotation: the tables are cos/sin of position x
+    theta^(-2i/D) for that theta, and the same params under another theta give other logits
+    (a theta hard-coded anywhere between the preset and the tables would make them equal)."""
+    config = get_model_config("tiny-qwen")  # theta 1e4
+    pos = jnp.asarray([[0, 1, 7, 300]], jnp.int32)
+    for theta in (1e4, 1e5, 1e6):
+        cos, sin = M.rope_tables(pos, config.head_dim, theta)
+        inv = theta ** (-np.arange(0, config.head_dim, 2) / config.head_dim)
+        ang = np.asarray(pos, np.float64)[..., None] * inv
+        np.testing.assert_allclose(np.asarray(cos), np.cos(ang), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(sin), np.sin(ang), rtol=0, atol=1e-4)
+    params = M.init_params(config, seed=13, scale=0.1)
+    toks = jnp.asarray(_prompts(config.vocab_size, [24], seed=14), jnp.int32)
+    meta = M.ChunkMeta(start=jnp.zeros((1,), jnp.int32), num_new=jnp.full((1,), 24, jnp.int32))
+    pos = jnp.arange(24, dtype=jnp.int32)[None]
+    logits = {}
+    for theta in (1e4, 1e6):
+        cfg = dataclasses.replace(config, rope_theta=theta)
+        logits[theta], _ = jax.jit(M.Decoder(cfg).apply)(
+            {"params": params}, toks, pos, M.init_dense_cache(cfg, 1, 24), meta)
+    assert np.abs(np.asarray(logits[1e4]) - np.asarray(logits[1e6])).max() > 1e-2
+
+
+def test_block_aligned_repeated_prompt_computes_its_last_token():
+    """A prompt of exactly 2 blocks sent again by the same tenant: every block is in the prefix
+    cache, yet only the first may be a hit -- the last block is recomputed so the last prompt
+    token has logits. They equal the first admission's, the greedy continuation equals the
+    dense reference's, and with NaN-filled unwritten pages nothing unwritten is read."""
+    config = get_model_config("tiny-qwen")
+    params = M.init_params(config, seed=15, scale=0.1)
+    prompt = _prompts(config.vocab_size, [16], seed=16)[0]  # 2 blocks of 8
+    eng = _paged(config, params)
+    r0, last0 = eng.admit([0], [prompt])
+    assert r0.cached_tokens[0] == 0
+    r1, last1 = eng.admit([0], [prompt])
+    eng.allocator.check(eng.state)
+    assert r1.admitted[0] and r1.cached_tokens[0] == 8 and r1.hit_blocks[0] == 1
+    assert r1.new_blocks[0] == 1
+    assert np.isfinite(last1).all()
+    np.testing.assert_allclose(last1, last0, rtol=0, atol=ATOL["float32"])
+    # Once more through generate (prompt cached twice over by now): same tokens as dense.
+    got = eng.generate([prompt], 6, tenants=[0])[0]
+    assert got.cached_tokens == 8
+    want = E.DenseEngine(config, params, capacity=64, chunk_size=16).generate([prompt], 6)[0]
+    assert got.tokens == want.tokens
