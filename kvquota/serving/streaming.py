@@ -20,6 +20,7 @@ import numpy as np
 from configs.formats import get_kv_format
 from configs.models import ModelConfig
 from kvquota.errors import InvalidArgumentError
+from kvquota.policies import get_policy
 from kvquota.serving.engine import PagedEngine, ScoreResult, _paged_forward, _token_logprobs
 from kvquota.serving.engine import check_context
 from kvquota.state import StateConfig
@@ -77,10 +78,14 @@ class CachePolicy:
         elif self.evict_policy is not None:
             lens = np.asarray(engine.state.seqs.seq_lens)[np.maximum(seq_ids, 0)]
             if (lens > self.budget_tokens).any():
+                last = getattr(engine, "last_mass", None)  # TOVA reads the last step's
+                if last is None and "last_attention" in get_policy(self.evict_policy).needs:
+                    return  # no decode step yet (right after the prefill): evict next time
                 engine.state, _ = alloc.evict(engine.state, seq_ids, policy=self.evict_policy,
                                               keep_tokens=self.budget_tokens,
                                               recent=min(self.keep_recent, self.budget_tokens),
-                                              donate=True)
+                                              attention=None if last is None else
+                                              np.asarray(last), donate=True)
 
 
 def cache_bytes_by_pool(engine: PagedEngine) -> dict[str, int]:
@@ -152,7 +157,9 @@ def generate_streaming(config: ModelConfig, params, prompts: Sequence[Sequence[i
     pools = tuple((name, blocks * n) for name, blocks in one.compressed_pools)
     state_config = dataclasses.replace(one, num_blocks=one.num_blocks * n, max_seqs=n,
                                        compressed_pools=pools)
-    engine = PagedEngine(config, params, state_config, chunk_size=256, backend=backend)
+    # Decode steps record their attention mass, which H2O/SnapKV/TOVA and "coldest" read.
+    engine = PagedEngine(config, params, state_config, chunk_size=256, backend=backend,
+                         record_attention=not policy.lossless)
     engine.register_tenant(0, token_quota=2**31 - 1, byte_quota=engine.max_byte_quota)
     out = engine.generate(prompts, max_new_tokens, tenants=[0] * n,
                           sampling=sampling or Sampling(), stop_ids=stop_ids, release=False,

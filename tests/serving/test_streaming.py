@@ -50,3 +50,13 @@ def test_streaming_eviction_stays_within_the_budget():
 def test_bad_policies_are_typed_errors(kwargs):
     with pytest.raises(E.InvalidArgumentError):
         kq.CachePolicy(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova"])
+def test_streaming_generation_evicts_with_recorded_attention(name):
+    policy = kq.CachePolicy(evict_policy=name, budget_tokens=16, keep_recent=4)
+    prompt = IDS[:24]
+    outs, held = kq.generate_streaming(CONFIG, PARAMS, [prompt], 12, policy, block_size=P)
+    assert len(outs[0].tokens) == 12
+    full = kq.KVLayout(CONFIG, kq.get_kv_format("f32"), P).bytes_per_block
+    assert held["f32"] <= 3 * full  # 16 kept tokens + the newest, never the whole 35
