@@ -267,3 +267,133 @@ def test_smollm2_first_layers_match_the_float64_oracle_on_gguf_tensors(smollm2_h
     # row permutation is exactly the change of RoPE layout.
     again = forward(cfg, from_params(cfg, params), ids, np.arange(len(ids)), layout="half")
     np.testing.assert_allclose(again, want, rtol=0, atol=1e-9 * np.abs(want).max())
+
+
+# ---- Hugging Face checkpoints written and read by hand ------------------------------------------
+def random_hf_weights(cfg, seed):
+    """Random oracle weights in the PyTorch/HF layout, drawn in NumPy (no kvquota code)."""
+    rng = np.random.default_rng(seed)
+    n = lambda *shape: (0.2 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    one = lambda *shape: (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_size
+    hq, hkv = cfg.num_q_heads * d, cfg.num_kv_heads * d
+    layers = []
+    for _ in range(cfg.num_layers):
+        w = {"attn_norm": one(h), "mlp_norm": one(h), "q": n(hq, h), "k": n(hkv, h),
+             "v": n(hkv, h), "o": n(h, hq), "gate": n(f, h), "up": n(f, h), "down": n(h, f)}
+        if cfg.qkv_bias:
+            w.update(q_bias=n(hq), k_bias=n(hkv), v_bias=n(hkv))
+        layers.append(w)
+    return {"embed": n(cfg.vocab_size, h), "final_norm": one(h), "layers": layers,
+            "lm_head": None if cfg.tie_embeddings else n(cfg.vocab_size, h)}
+
+
+HF_NAMES = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+            "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
+            "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight",
+            "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+            "v_bias": "self_attn.v_proj.bias", "gate": "mlp.gate_proj.weight",
+            "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
+
+
+def write_hf_checkpoint(directory, cfg, w, arch, shards=2):
+    """config.json and `shards` safetensors files in the Hugging Face Qwen2/Llama layout,
+    written with `safetensors.numpy` alone."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    tensors = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["final_norm"]}
+    if w["lm_head"] is not None:
+        tensors["lm_head.weight"] = w["lm_head"]
+    for i, layer in enumerate(w["layers"]):
+        for key, value in layer.items():
+            tensors[f"model.layers.{i}.{HF_NAMES[key]}"] = value
+    names = sorted(tensors)
+    for s in range(shards):
+        part = {k: np.ascontiguousarray(tensors[k]) for k in names[s::shards]}
+        save_file(part, str(directory / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"))
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": [arch], "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_q_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.ffn_size,
+        "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias,
+        "max_position_embeddings": cfg.max_context}))
+    return tensors
+
+
+# A Llama-shaped model no preset has (no QKV bias, 3 query heads per KV head, theta 5e5).
+TINY_LLAMA = dataclasses.replace(
+    get_model_config("tiny-qwen"), name="tiny-llama-handmade", num_q_heads=6, num_kv_heads=2,
+    hidden_size=96, ffn_size=144, qkv_bias=False, rope_theta=5e5, rms_eps=1e-5,
+    tie_embeddings=False)
+
+
+@pytest.mark.parametrize("cfg, arch", [
+    (get_model_config("tiny-qwen"), "Qwen2ForCausalLM"),
+    (get_model_config("tiny-qwen-untied"), "Qwen2ForCausalLM"),
+    (TINY_LLAMA, "LlamaForCausalLM"),
+], ids=["qwen-tied", "qwen-untied", "llama"])
+def test_hand_written_hf_checkpoint_loads_into_the_layout_the_oracle_agrees_with(tmp_path, cfg, arch):
+    """A checkpoint written by hand in the HF layout (weights [out, in], two shards) loads into
+    exactly the hand-transposed kernels, and the model on them matches the oracle on the
+    hand-written tensors -- a loader and writer mirroring each other's mistake cannot pass."""
+    w = random_hf_weights(cfg, seed=5)
+    write_hf_checkpoint(tmp_path, cfg, w, arch)
+    loaded_cfg, params = weights.load_safetensors(tmp_path)
+    assert {**vars(loaded_cfg), "name": cfg.name} == vars(cfg)
+    lay = params["layers"]
+    for i, layer in enumerate(w["layers"]):
+        np.testing.assert_array_equal(lay["attn_norm"]["scale"][i], layer["attn_norm"])
+        np.testing.assert_array_equal(lay["mlp_norm"]["scale"][i], layer["mlp_norm"])
+        for name in ("q", "k", "v", "o"):
+            np.testing.assert_array_equal(lay["attn"][f"{name}_proj"]["kernel"][i], layer[name].T)
+        for name in ("q", "k", "v"):
+            if cfg.qkv_bias:
+                np.testing.assert_array_equal(lay["attn"][f"{name}_proj"]["bias"][i],
+                                              layer[f"{name}_bias"])
+            else:
+                assert "bias" not in lay["attn"][f"{name}_proj"]
+        for name in ("gate", "up", "down"):
+            np.testing.assert_array_equal(lay["mlp"][f"{name}_proj"]["kernel"][i], layer[name].T)
+    np.testing.assert_array_equal(params["embed"]["embedding"], w["embed"])
+    np.testing.assert_array_equal(params["final_norm"]["scale"], w["final_norm"])
+    if cfg.tie_embeddings:
+        assert "lm_head" not in params
+    else:
+        np.testing.assert_array_equal(params["lm_head"]["kernel"], w["lm_head"].T)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 16)]
+    check(dense_logits(cfg, params, tokens, np.arange(16)),
+          forward(cfg, w, tokens, np.arange(16)), f"{cfg.name} from a hand-written checkpoint")
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_save_safetensors_writes_the_hf_layout(tmp_path, name):
+    """`save_safetensors` read back by hand with `safetensors.numpy`: HF names, [out, in]
+    weights (the transposed Flax kernels), biases and norms as they are, float32."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = get_model_config(name)
+    params = M.init_params(cfg, seed=3)
+    weights.save_safetensors(tmp_path, cfg, params)
+    got = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        got.update(load_file(str(f)))
+    want = {"model.embed_tokens.weight": params["embed"]["embedding"],
+            "model.norm.weight": params["final_norm"]["scale"]}
+    if not cfg.tie_embeddings:
+        want["lm_head.weight"] = np.asarray(params["lm_head"]["kernel"]).T
+    for i, layer in enumerate(from_params(cfg, params)["layers"]):  # [out, in] by hand
+        for key, value in layer.items():
+            want[f"model.layers.{i}.{HF_NAMES[key]}"] = value
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == np.float32, key
+        np.testing.assert_array_equal(got[key], np.asarray(value), err_msg=key)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["architectures"] == ["Qwen2ForCausalLM"]
+    assert (hf["num_attention_heads"], hf["num_key_value_heads"]) == (cfg.num_q_heads, cfg.num_kv_heads)
+    assert hf["rope_theta"] == cfg.rope_theta and hf["tie_word_embeddings"] == cfg.tie_embeddings
