@@ -245,6 +245,9 @@ class Ledger:
     pool_fragmentation: jax.Array  # i32[]  held device slots minus tokens stored in them
     pool_bytes: tuple = struct.field(pytree_node=False, default=())
     unit_bytes: int = struct.field(pytree_node=False, default=1)
+    pool_sizes: tuple = struct.field(pytree_node=False, default=())
+    host_pool: Optional[int] = struct.field(pytree_node=False, default=None)
+    host_watermark: float = struct.field(pytree_node=False, default=0.8)
 
     def bytes(self, field: str) -> np.ndarray:
         """Exact bytes (int64[T]) of a [T, POOLS] block-count field, e.g. "reclaimable_blocks"."""
@@ -270,6 +273,27 @@ class Ledger:
     def byte_quota(self) -> np.ndarray:
         return _units_to_bytes(self.byte_quota_units, self.unit_bytes)
 
+    @property
+    def host_bytes(self) -> np.ndarray:
+        """int64[T]: bytes each tenant holds in the host pool (outside its device byte quota)."""
+        if self.host_pool is None:
+            return np.zeros(len(np.asarray(self.used_tokens)), np.int64)
+        blocks = np.asarray(self.charged_blocks)[:, self.host_pool].astype(np.int64)
+        return blocks * self.pool_bytes[self.host_pool]
+
+    @property
+    def device_bytes(self) -> np.ndarray:
+        """int64[T]: device-resident bytes charged (what the byte quota caps)."""
+        return self.charged_bytes - self.host_bytes
+
+    @property
+    def host_alarm(self) -> bool:
+        """The host pool is filled to its watermark (compression is gated on this)."""
+        if self.host_pool is None:
+            return False
+        used = self.pool_sizes[self.host_pool] - int(np.asarray(self.free_blocks)[self.host_pool])
+        return host_alarm(used, self.pool_sizes[self.host_pool], self.host_watermark)
+
     def summary(self, tenant: Optional[int] = None) -> dict:
         """Plain-Python numbers for printing or JSON."""
         rows = range(len(np.asarray(self.used_tokens))) if tenant is None else [tenant]
@@ -280,6 +304,8 @@ class Ledger:
                 "token_quota": int(self.token_quota[t]),
                 "byte_quota": int(self.byte_quota[t]),
                 "charged_bytes": int(self.charged_bytes[t]),
+                "device_bytes": int(self.device_bytes[t]),
+                "host_bytes": int(self.host_bytes[t]),
                 "pinned_bytes": int(self.pinned_bytes[t]),
                 "shared_bytes": int(self.shared_bytes[t]),
                 "reclaimable_bytes": int(self.reclaimable_bytes[t]),

@@ -77,4 +77,7 @@ def ledger(config: StateConfig, state: KVState) -> Ledger:
         pool_fragmentation=slack.sum().astype(jnp.int32),
         pool_bytes=config.pool_bytes,
         unit_bytes=config.unit_bytes,
+        pool_sizes=config.pool_sizes,
+        host_pool=config.host_pool,
+        host_watermark=config.host_watermark,
     )

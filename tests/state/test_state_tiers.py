@@ -68,8 +68,11 @@ def test_offload_then_restore_is_bit_exact_and_isolated(two_seqs):
     assert _ints(s.tenants.charged_blocks[0]) == [0, 0, 3]
     assert seq_tokens(s, 0, TINY.block_size) == toks
     assert _same(_seq_pages(s, 0), before0) and _same(_seq_pages(s, 1), before1)
-    # The device byte quota no longer counts the offloaded blocks.
-    assert int(alloc.ledger(s).charged_blocks[0, 0]) == 0
+    # The device byte quota no longer counts the offloaded blocks; the ledger's host column does.
+    led = alloc.ledger(s)
+    assert int(led.charged_blocks[0, 0]) == 0 and int(led.host_bytes[0]) == 3 * BLOCK
+    assert int(led.device_bytes[0]) == 0 and led.summary(0)[0]["host_bytes"] == 3 * BLOCK
+    assert not led.host_alarm  # 3 of 4 host blocks: 75 % < the 80 % watermark
     s, rep = alloc.restore(s, [0, INVALID])
     alloc.check(s)
     assert int(s.seqs.seq_status[0]) == SEQ_RUNNING and rep.blocks_moved == 3
@@ -119,6 +122,7 @@ def test_watermark_alarm():
     assert rep.host_blocks_used.tolist() == 1 and not rep.host_alarm
     s, rep = alloc.offload(s, [1, INVALID])
     assert rep.host_blocks_used.tolist() == 3 and rep.host_alarm  # 3 of 4 >= 50 %
+    assert alloc.ledger(s).host_alarm
 
 
 def test_donated_offload_matches_plain(two_seqs):
