@@ -106,16 +106,16 @@ def forward(cfg, weights_, tokens, positions, layout="half", scale=None):
     h = embed[np.asarray(tokens)]
     for w in weights_["layers"]:
         x = rms_norm(h, f(w["attn_norm"]), cfg.rms_eps)
-
-        def proj(name, heads):
+        qkv = {}
+        heads = {"q": cfg.num_q_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
+        for name in ("q", "k", "v"):
             y = x @ f(w[name]).T
             if cfg.qkv_bias:
                 y = y + f(w[name + "_bias"])
-            return y.reshape(len(tokens), heads, d)
-
-        q = rope(proj("q", cfg.num_q_heads), positions, cfg.rope_theta, layout)
-        k = rope(proj("k", cfg.num_kv_heads), positions, cfg.rope_theta, layout)
-        v = proj("v", cfg.num_kv_heads)
+            qkv[name] = y.reshape(len(tokens), heads[name], d)
+        q = rope(qkv["q"], positions, cfg.rope_theta, layout)
+        k = rope(qkv["k"], positions, cfg.rope_theta, layout)
+        v = qkv["v"]
         h = h + attention(q, k, v, scale) @ f(w["o"]).T
         x = rms_norm(h, f(w["mlp_norm"]), cfg.rms_eps)
         h = h + (silu(x @ f(w["gate"]).T) * (x @ f(w["up"]).T)) @ f(w["down"]).T
@@ -148,7 +148,8 @@ def check(got, want, what):
     assert got.shape == want.shape and np.isfinite(got).all(), what
     err, scale = np.abs(got - want).max(), np.abs(want).max()
     tol = TOL["float32"]["rtol"] * scale + TOL["float32"]["atol"]
-    assert err <= tol, f"{what}: max |logit - oracle| = {err:.3g} > {tol:.3g} (max |logit| {scale:.3g})"
+    assert err <= tol, (f"{what}: max |logit - oracle| = {err:.3g} > {tol:.3g} "
+                        f"(max |logit| {scale:.3g})")
     return err / scale
 
 
@@ -199,7 +200,8 @@ def test_tiny_presets_match_the_float64_oracle(name):
     # Logical positions that do not start at 0 (a sequence after eviction): RoPE is relative,
     # but only positions, not cache indices, may drive it.
     shifted = forward(cfg, oracle_w, tokens, np.arange(24) + 300)
-    check(dense_logits(cfg, params, tokens, np.arange(24) + 300), shifted, f"{name} positions + 300")
+    check(dense_logits(cfg, params, tokens, np.arange(24) + 300), shifted,
+          f"{name} positions + 300")
     check(paged_logits(cfg, params, tokens, decode_steps=5), want, f"{name} paged")
 
 
@@ -335,7 +337,8 @@ TINY_LLAMA = dataclasses.replace(
     (get_model_config("tiny-qwen-untied"), "Qwen2ForCausalLM"),
     (TINY_LLAMA, "LlamaForCausalLM"),
 ], ids=["qwen-tied", "qwen-untied", "llama"])
-def test_hand_written_hf_checkpoint_loads_into_the_layout_the_oracle_agrees_with(tmp_path, cfg, arch):
+def test_hand_written_hf_checkpoint_loads_into_the_layout_the_oracle_agrees_with(
+        tmp_path, cfg, arch):
     """A checkpoint written by hand in the HF layout (weights [out, in], two shards) loads into
     exactly the hand-transposed kernels, and the model on them matches the oracle on the
     hand-written tensors -- a loader and writer mirroring each other's mistake cannot pass."""
@@ -395,5 +398,6 @@ def test_save_safetensors_writes_the_hf_layout(tmp_path, name):
         np.testing.assert_array_equal(got[key], np.asarray(value), err_msg=key)
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf["architectures"] == ["Qwen2ForCausalLM"]
-    assert (hf["num_attention_heads"], hf["num_key_value_heads"]) == (cfg.num_q_heads, cfg.num_kv_heads)
+    assert hf["num_attention_heads"] == cfg.num_q_heads
+    assert hf["num_key_value_heads"] == cfg.num_kv_heads
     assert hf["rope_theta"] == cfg.rope_theta and hf["tie_word_embeddings"] == cfg.tie_embeddings

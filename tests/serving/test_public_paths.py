@@ -100,7 +100,7 @@ def _numpy_attention(q, k, v, q_pos, kv_len, scale):
             if not seen:
                 continue
             for h in range(hq):
-                logits = np.array([q[i, j, h] @ k[i, s, h // group] for s in seen], np.float64) * scale
+                logits = scale * np.array([q[i, j, h] @ k[i, s, h // group] for s in seen])
                 top = logits.max()
                 w = np.exp(logits - top)
                 lse[i, j, h] = top + np.log(w.sum())
@@ -128,7 +128,8 @@ def test_dense_attention_reference_matches_numpy(sm_scale):
     assert out.shape == (b, t, hq, d) and lse.shape == (b, t, hq) and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=0, atol=ATTN_ATOL["float32"])
     real = np.isfinite(want_lse)
-    np.testing.assert_allclose(np.asarray(lse)[real], want_lse[real], rtol=0, atol=ATTN_ATOL["float32"])
+    np.testing.assert_allclose(np.asarray(lse)[real], want_lse[real], rtol=0,
+                               atol=ATTN_ATOL["float32"])
     assert (np.asarray(lse)[~real] == -np.inf).all() and (np.asarray(out)[1, 3:] == 0).all()
 
 
@@ -143,7 +144,8 @@ def test_sample_tokens_top_k_samples_only_the_top_k():
     for row in range(3):
         assert set(draws[:, row].tolist()) == set(top3[row].tolist())  # all of them, nothing else
     # Seeded: the same key gives the same tokens; top_k=1 is greedy at any temperature.
-    again = np.asarray(E.sample_tokens(jnp.asarray(logits), jax.random.key(5), temperature=2.0, top_k=3))
+    again = np.asarray(E.sample_tokens(jnp.asarray(logits), jax.random.key(5), temperature=2.0,
+                                       top_k=3))
     np.testing.assert_array_equal(again, draws[5])
     greedy = E.sample_tokens(jnp.asarray(logits), jax.random.key(0), temperature=50.0, top_k=1)
     np.testing.assert_array_equal(np.asarray(greedy), logits.argmax(-1))

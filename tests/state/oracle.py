@@ -62,7 +62,8 @@ class Model:
     def __init__(self, config):
         c = config
         self.config = c
-        self.P, self.S, self.MB, self.T = c.block_size, c.max_seqs, c.max_blocks_per_seq, c.num_tenants
+        self.P, self.S = c.block_size, c.max_seqs
+        self.MB, self.T = c.max_blocks_per_seq, c.num_tenants
         self.N = c.num_blocks  # pool 0: global ids 0 .. N - 1
         self.unit0 = c.pool_units[0]
         self.unit_bytes = c.unit_bytes

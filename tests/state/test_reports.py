@@ -1,7 +1,8 @@
 """Report and ledger paths of the public API that no other test reaches, worked out by hand on the
-tiny pool (8 blocks of 2 tokens, 1024 B per block; lowest ids popped first): `Allocator.unpin_prefix`,
-`FreeReport.quota_bytes_released_by_tenant` (and its byte figures beside it), `Ledger.summary()`,
-the reports' `reasons()` and their being printable pytrees. Integer figures compare exactly."""
+tiny pool (8 blocks of 2 tokens, 1024 B per block; lowest ids popped first):
+`Allocator.unpin_prefix`, `FreeReport.quota_bytes_released_by_tenant` (and the byte figures
+beside it), `Ledger.summary()`, the reports' `reasons()` and their being printable pytrees.
+Integer figures compare exactly."""
 
 import json
 

@@ -153,7 +153,7 @@ def test_generation_goes_up_on_every_free(path):
     s, _ = alloc.release_tenant(s, 0)
     assert _ints(s.blocks.generation) == [1, 1, 1] + [0] * (TINY.total_blocks - 3)
     # Two of them reused and freed again: one more each.
-    s, r = alloc.admit(s, *prompts([(0, [5, 6, 7])]))
+    s, _ = alloc.admit(s, *prompts([(0, [5, 6, 7])]))
     reused = _ints(s.seqs.block_tables[0])[:2]
     s, _ = alloc.release_tenant(s, 0)
     alloc.check(s)
