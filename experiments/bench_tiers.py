@@ -13,6 +13,7 @@ through the public facade with `donate=True`,
 
   * offload: every sequence's own blocks to the host pool (`Allocator.offload`),
   * restore: all of them back to pool 0 (`Allocator.restore`, from the offloaded state),
+  * evict (token and block mode, StreamingLLM, half the tokens kept): blocks returned, exact;
   * compress: every full block outside the --keep_recent most recent tokens into each
     compressed pool (`Allocator.compress`, oldest first; quantized formats, and fp8 as a cast),
 
@@ -232,8 +233,12 @@ def time_op(call, base, nbytes: int, host_copy: str | None, repeats: int):
 
 
 def _blocks_of(report) -> int:
-    return report.blocks_compressed if isinstance(report, kq.CompressReport) else \
-        report.blocks_moved
+    """What an op's report says it did (the same in every repeat, or the op is not stable)."""
+    if isinstance(report, kq.CompressReport):
+        return report.blocks_compressed
+    if isinstance(report, kq.EvictReport):
+        return int(np.asarray(report.evicted_tokens).sum())
+    return report.blocks_moved
 
 
 def device_bytes_returned(config, delta) -> int:
@@ -344,7 +349,7 @@ def run_model(model: str, opts: dict, on_point, result: dict | None = None) -> d
         "setup_seconds": time.perf_counter() - t0,
     }
     on_point({"kind": "setup", **setup})
-    result.update(setup=setup, offload=None, restore=None, compress={})
+    result.update(setup=setup, offload=None, restore=None, compress={}, evict={})
     repeats = opts["repeats"]
 
     def attempt(op, fmt, body):
@@ -401,11 +406,34 @@ def run_model(model: str, opts: dict, on_point, result: dict | None = None) -> d
         record["blocks_as_expected"] = rep.blocks_compressed == expected_compressed(opts)
         return {**record, "checked": True, "reports_consistent": same, **_timing(seconds)}
 
+    def evict(mode):
+        keep = opts["seq_tokens"] // 2  # StreamingLLM: 4 sinks and the newest tokens
+
+        def call(s):
+            return alloc.evict(s, ids, policy="streamingllm", keep_tokens=keep, mode=mode,
+                               donate=True)
+
+        nbytes = int(alloc.ledger(base).charged_blocks[TENANT, 0]) * config.pool_bytes[0]
+        (state, rep), seconds, same = time_op(call, base, nbytes, None, repeats)
+        alloc.check(state)
+        delta = ledger_delta(alloc, base, state)
+        pb0 = config.pool_bytes[0]
+        record = {"evicted_tokens": int(np.asarray(rep.evicted_tokens).sum()),
+                  "copied_blocks": int(np.asarray(rep.copied_blocks).sum()),
+                  "pool_bytes_returned": rep.pool_bytes_returned,
+                  "device_bytes_returned": rep.pool_bytes_returned,
+                  "bytes_match_ledger": (delta["free_blocks"][0] * pb0 == rep.pool_bytes_returned
+                                         == -delta["charged_blocks"][0] * pb0),
+                  "ledger": {f"{k}_delta": v for k, v in delta.items()}}
+        return {**record, "checked": True, "reports_consistent": same, **_timing(seconds)}
+
     attempt("offload", None, offload)
     attempt("restore", None, restore)
     offloaded.clear()
     for fmt in opts["formats"]:
         attempt("compress", fmt, lambda f=fmt: compress(f))
+    for mode in ("token", "block"):
+        attempt("evict", mode, lambda m=mode: evict(m))
     return result
 
 
@@ -430,8 +458,9 @@ def _records(result: dict):
         for op in ("offload", "restore"):
             if per.get(op) is not None:
                 yield model, op, None, per[op]
-        for fmt, record in per.get("compress", {}).items():
-            yield model, "compress", fmt, record
+        for op in ("compress", "evict"):
+            for fmt, record in per.get(op, {}).items():
+                yield model, op, fmt, record
 
 
 def run(opts: dict, on_point=lambda point: None) -> dict:

@@ -33,8 +33,16 @@ def test_tiny_run_json_contract_and_bytes_match_the_ledger(tmp_path):
     assert summary["partial"] is False and summary["failed_ops"] == []
     assert summary["all_bytes_match_ledger"] is True and summary["all_checked"] is True
     model = summary["models"]["smollm2-135m"]
-    assert set(model) == {"setup", "offload", "restore", "compress"}
-    assert set(model["compress"]) == set(FORMATS)
+    assert set(model) == {"setup", "offload", "restore", "compress", "evict"}
+    assert set(model["compress"]) == set(FORMATS) and set(model["evict"]) == {"token", "block"}
+    # Half of each 40-token sequence evicted: token mode packs the 20 kept into 2 blocks (1 of
+    # 3 returned per sequence); block mode keeps the 20 // 16 = 1 best whole block.
+    pb0 = bt.make_config("smollm2-135m", seqs=2, seq_tokens=40, block_size=16,
+                         formats=FORMATS).pool_bytes[0]
+    assert model["evict"]["token"]["evicted_tokens"] == 40
+    assert model["evict"]["token"]["pool_bytes_returned"] == 2 * pb0
+    assert model["evict"]["block"]["pool_bytes_returned"] == 4 * pb0
+    assert all(model["evict"][m]["bytes_match_ledger"] for m in ("token", "block"))
 
     # Bytes recomputed here from the config: 2 sequences of 40 tokens hold 3 blocks each; the
     # full blocks wholly before the last 8 tokens are 2 per sequence.
@@ -76,7 +84,8 @@ def test_tiny_run_json_contract_and_bytes_match_the_ledger(tmp_path):
     points = runs.read_points(run_dir)
     assert [(p["kind"], p.get("op"), p.get("format")) for p in points] == [
         ("setup", None, None), ("op", "offload", None), ("op", "restore", None),
-        *[("op", "compress", fmt) for fmt in FORMATS]]
+        *[("op", "compress", fmt) for fmt in FORMATS], ("op", "evict", "token"),
+        ("op", "evict", "block")]
     assert runs.read_metrics(run_dir) == summary
     assert json.loads((tmp_path / "results" / "t.json").read_text()) == summary
     assert runs.replot(run_dir) == ["tiers.png"]
