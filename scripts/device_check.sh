@@ -135,6 +135,13 @@ step tests 130 40 tests_kernels.log \
   "$PY" -m pytest -q -p no:cacheprovider --durations=10 -m "not slow" \
   tests/kernels/test_pallas.py tests/kernels/test_peer.py tests/kernels/test_gpu_lowering.py
 
+# 3a. Mixed pools on the GPU: the model over pool 0 + compressed pools (each quantized format)
+# merged by log-sum-exp against the dequantized single-pool oracle, attention mass, and an
+# offload -> restore round trip through pinned host memory (bit-exact pages).
+step tests_tiers 80 30 tests_tiers.log \
+  "$PY" -m pytest -q -p no:cacheprovider --durations=5 -m "not slow" \
+  tests/model/test_mixed_pools.py tests/model/test_attention_mass.py tests/state/test_state_tiers.py
+
 # 3b. jax 0.11 without a GPU (JAX_PLATFORMS=cpu hides it): lowering for CUDA must take the
 # abstract-device route of tests/kernels/test_gpu_lowering.py (passes, or skips with the reason).
 step lowering_no_gpu 40 15 tests_lowering_no_gpu.log \
@@ -157,6 +164,7 @@ cat "$OUT/env.txt"
 tail -n 3 "$OUT/bench_attention_gpu.log" 2>/dev/null
 tail -n 4 "$OUT/int8_check.log" 2>/dev/null
 tail -n 5 "$OUT/tests_kernels.log" 2>/dev/null
+tail -n 3 "$OUT/tests_tiers.log" 2>/dev/null
 tail -n 3 "$OUT/tests_lowering_no_gpu.log" 2>/dev/null
 grep '^\[' "$OUT/bench_tiers.log" 2>/dev/null | tail -n 6
 exit 0
