@@ -141,11 +141,13 @@ def test_ledger_summary_in_plain_python_numbers():
     led = alloc.ledger(s)
     want = {
         0: {"used_tokens": 5, "token_quota": 20, "byte_quota": 5 * BLOCK,
-            "charged_bytes": 3 * BLOCK, "pinned_bytes": BLOCK, "shared_bytes": 0,
+            "charged_bytes": 3 * BLOCK, "device_bytes": 3 * BLOCK, "host_bytes": 0,
+            "pinned_bytes": BLOCK, "shared_bytes": 0,
             # reclaimable: charged, unpinned, referenced only by t0 -> block 2 (1 is t1's too)
             "reclaimable_bytes": BLOCK, "fragmentation_tokens": 1},
         1: {"used_tokens": 6, "token_quota": 30, "byte_quota": 4 * BLOCK,
-            "charged_bytes": BLOCK, "pinned_bytes": 0, "shared_bytes": 2 * BLOCK,
+            "charged_bytes": BLOCK, "device_bytes": BLOCK, "host_bytes": 0,
+            "pinned_bytes": 0, "shared_bytes": 2 * BLOCK,
             "reclaimable_bytes": BLOCK, "fragmentation_tokens": 0},
     }
     summary = led.summary()
