@@ -1,7 +1,8 @@
 """Paged attention over block tables: decode and chunked prefill, GQA, quantized pages.
 
 Public API:
-  decode, prefill                 the entry points (backend "auto" | "pallas" | "reference")
+  decode, prefill                 the entry points (backend "auto" | "pallas" | "reference");
+                                  `layer=` reads a pool of every layer [L, Hkv, N, P, D] at one
   AttentionAux                    lse and attention mass returned beside the output
   merge_attention                 merges per-pool results by log-sum-exp
   decode_reference, prefill_reference, dense_attention_reference   plain-JAX semantics

@@ -14,6 +14,12 @@ results (o, running max, running sum) that the wrapper merges, as in flash-decod
 Quantized pages are dequantized inside the kernel by `kernels.quantization.dequantize_tile`,
 which uses only Triton-lowerable ops (shifts, two-way joins, power-of-two reshapes).
 
+A pool of every layer (`[L, Hkv, N, P, D]`, QuantizedPages with a leading [L] axis) is read at
+`layer` without slicing it: the page operands' BlockSpecs keep the whole layer axis of one KV
+head (on GPU a block is only a base pointer, nothing is copied) and the layer, an i32[1] operand,
+is one more index of each page gather, an offset of the load pointers. An index map cannot take
+it: index maps are traced without operands, and the Triton lowering has no scalar prefetch.
+
 Attention mass needs the final lse of every row, so it is a second kernel (`_mass_kernel`) that
 re-reads K once the lse is known; it runs only when mass is asked for.
 
@@ -33,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels.paged_attention.layered import layer_index, page_shape, pool_layers
 from kernels.paged_attention.reference import AttentionAux
 from kernels.quantization import QuantizedPages, dequantize_tile
 
@@ -59,25 +66,32 @@ def _page_operands(pages):
     return [pages], None
 
 
-def _page_block_specs(arrays, head_axis_map):
-    """Each page array: the whole of one KV head (pages are gathered inside the kernel)."""
-    return [pl.BlockSpec((None, *a.shape[1:]), head_axis_map) for a in arrays]
+def _page_block_specs(arrays, head_axis_map, layered=False):
+    """Each page array: the whole of one KV head (pages are gathered inside the kernel); of a
+    pool with a layer axis, one KV head of every layer (the layer is indexed in the gather)."""
+    if not layered:
+        return [pl.BlockSpec((None, *a.shape[1:]), head_axis_map) for a in arrays]
+    layer_map = lambda *ids: (0, *head_axis_map(*ids))
+    return [pl.BlockSpec((a.shape[0], None, *a.shape[2:]), layer_map) for a in arrays]
 
 
-def _load_tile(refs, spec, idx, page_ok, dtype):
+def _load_tile(refs, spec, idx, page_ok, dtype, layer=None):
     """Loads pages `idx` of one KV head -> [pages, P, D] values in `dtype`.
 
     refs: plain: ([N, P, D],); quantized: ([N, P, D*bits/8] codes, [N, P|1, D/group|D] scales,
-    optionally zero points like scales). Pages with page_ok False are not read (masked load).
+    optionally zero points like scales); with `layer` (an i32 scalar), each with a leading [L]
+    axis, read at that layer. Pages with page_ok False are not read (masked load).
     """
 
     def load(ref):
         # All-array indices (a gather the Triton lowering turns into pointer offsets, and that
         # interpret mode can discharge), so the load can be masked page by page.
-        shape = (idx.shape[0], *ref.shape[1:])  # [pages, P | 1, last]
+        shape = (idx.shape[0], *ref.shape[-2:])  # [pages, P | 1, last]
         slot = lax.broadcasted_iota(jnp.int32, (1, shape[1], 1), 1)
         lane = lax.broadcasted_iota(jnp.int32, (1, 1, shape[2]), 2)
         axes = (idx.reshape(-1, 1, 1), slot, lane)
+        if layer is not None:  # a scalar index: the same offset for every loaded element
+            axes = (layer,) + axes
         mask = jnp.broadcast_to(page_ok.reshape(-1, 1, 1), shape)
         return plgpu.load(ref.at[axes], mask=mask, other=jnp.zeros((), ref.dtype))
 
@@ -119,8 +133,8 @@ def _attention_kernel(
     q_start_ref,  # i32[1]: cache position of the chunk's first query
     block_tables_ref,  # i32[M_pad]: this sequence's block table
     q_ref,  # [block_r, D]: query rows of one KV group
-    *refs,  # K page refs, V page refs (see _load_tile), then outputs:
-    #   o_ref f32[block_r, D] (unnormalized), m_ref f32[block_r], l_ref f32[block_r]
+    *refs,  # [layer_ref i32[1] when layered], K page refs, V page refs (see _load_tile), then
+    #   outputs: o_ref f32[block_r, D] (unnormalized), m_ref f32[block_r], l_ref f32[block_r]
     n_k_refs: int,
     k_spec,
     v_spec,
@@ -130,7 +144,10 @@ def _attention_kernel(
     pages_per_block: int,
     pages_per_split: int,
     sm_scale: float,
+    layered: bool = False,
 ):
+    layer = refs[0][0] if layered else None
+    refs = refs[1:] if layered else refs
     k_refs, v_refs = refs[:n_k_refs], refs[n_k_refs:-3]
     o_ref, m_ref, l_ref = refs[-3:]
     block_r, head_dim = q_ref.shape
@@ -152,7 +169,7 @@ def _attention_kernel(
         page0 = first + j * pages_per_block
         page_ok = page0 + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0) < last
         idx = jnp.where(page_ok, block_tables_ref[pl.ds(page0, pages_per_block)], 0)
-        k = _load_tile(k_refs, k_spec, idx, page_ok, q.dtype).reshape(block_k, head_dim)
+        k = _load_tile(k_refs, k_spec, idx, page_ok, q.dtype, layer).reshape(block_k, head_dim)
         s = _dot(q, k, 1)
         s = s * sm_scale
         key_pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -161,7 +178,7 @@ def _attention_kernel(
         m_safe = jnp.where(m_new > NEG_INF, m_new, 0.0)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[:, None])
-        v = _load_tile(v_refs, v_spec, idx, page_ok, q.dtype).reshape(block_k, head_dim)
+        v = _load_tile(v_refs, v_spec, idx, page_ok, q.dtype, layer).reshape(block_k, head_dim)
         # Zero V past the length before the product: tail slots may hold NaN and 0 * NaN = NaN.
         v = jnp.where((key_pos < length)[:, None], v, jnp.zeros_like(v))
         pv = _dot(p.astype(v.dtype), v, 0)
@@ -184,7 +201,8 @@ def _mass_kernel(
     block_tables_ref,  # i32[M_pad]
     q_ref,  # [R_pad, D]: all query rows of one KV group
     lse_ref,  # f32[R_pad]: final log-sum-exp of each row
-    *refs,  # K page refs, then mass_ref f32[block_k]: mass of this block of key slots
+    *refs,  # [layer_ref i32[1] when layered], K page refs, then mass_ref f32[block_k]: mass
+    #   of this block of key slots
     k_spec,
     group: int,
     num_t: int,
@@ -192,7 +210,10 @@ def _mass_kernel(
     pages_per_block: int,
     block_r: int,
     sm_scale: float,
+    layered: bool = False,
 ):
+    layer = refs[0][0] if layered else None
+    refs = refs[1:] if layered else refs
     k_refs, mass_ref = refs[:-1], refs[-1]
     rows_total, head_dim = q_ref.shape
     block_k = pages_per_block * page_size
@@ -202,7 +223,7 @@ def _mass_kernel(
     n_pages = pl.cdiv(_visible_end(0, rows_total, group, num_t, q_start, length), page_size)
     page_ok = page0 + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0) < n_pages
     idx = jnp.where(page_ok, block_tables_ref[pl.ds(page0, pages_per_block)], 0)
-    k = _load_tile(k_refs, k_spec, idx, page_ok, q_ref.dtype).reshape(block_k, head_dim)
+    k = _load_tile(k_refs, k_spec, idx, page_ok, q_ref.dtype, layer).reshape(block_k, head_dim)
     key_pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
 
     def body(i, acc):
@@ -239,11 +260,12 @@ def _default_pages_per_block(page_size: int) -> int:
 )
 def paged_attention_rows_pallas(
     q_rows: jax.Array,  # [B, Hkv, R, D]
-    k_pages,  # [Hkv, N, P, D] or QuantizedPages
-    v_pages,  # [Hkv, N, P, D] or QuantizedPages
+    k_pages,  # [Hkv, N, P, D] or QuantizedPages; with `layer`: [L, Hkv, N, P, D]
+    v_pages,  # like k_pages
     block_tables: jax.Array,  # i32[B, M]
     lengths: jax.Array,  # i32[B]
     q_start: jax.Array,  # i32[B]
+    layer=None,  # None, or i32[] (traced allowed): the layer of pools with a layer axis
     *,
     group: int,
     num_t: int,
@@ -256,10 +278,21 @@ def paged_attention_rows_pallas(
     num_stages: int,
     interpret: bool,
 ):
-    """Rows -> (out f32[B, Hkv, R, D], lse f32[B, Hkv, R], per-token mass f32[B, Hkv, M*P])."""
+    """Rows -> (out f32[B, Hkv, R, D], lse f32[B, Hkv, R], per-token mass f32[B, Hkv, M*P]).
+
+    With `layer`, K and V are pools with a layer axis read at that layer (clamped into range).
+    """
     b, hkv, r, d = q_rows.shape
     m = block_tables.shape[1]
-    page_size = k_pages.shape[2]
+    page_size = page_shape(k_pages)[2]
+    num_layers = pool_layers(k_pages)
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if (pool_layers(pages) is None) != (layer is None):
+            raise ValueError(f"{name}: a [L, Hkv, N, P, D] pool goes with layer= and one "
+                             f"layer's [Hkv, N, P, D] pages without it (layer={layer!r})")
+    layered = layer is not None
+    # The layer as an i32[1] operand read by every program (one block, index 0).
+    layer_ops = [layer_index(layer, num_layers).reshape(1)] if layered else []
     for name, n in (("head_dim", d), ("page size", page_size), ("block_r", block_r),
                     ("pages_per_block", pages_per_block)):
         if not _is_pow2(n):
@@ -284,7 +317,7 @@ def paged_attention_rows_pallas(
     kernel = functools.partial(
         _attention_kernel, n_k_refs=len(k_arrays), k_spec=k_spec, v_spec=v_spec, group=group,
         num_t=num_t, page_size=page_size, pages_per_block=pages_per_block,
-        pages_per_split=per_split, sm_scale=float(sm_scale),
+        pages_per_split=per_split, sm_scale=float(sm_scale), layered=layered,
     )
     o, mx, l = pl.pallas_call(
         kernel,
@@ -292,8 +325,9 @@ def paged_attention_rows_pallas(
         in_specs=[
             scalar_spec, scalar_spec, table_spec,
             pl.BlockSpec((None, None, block_r, d), lambda bi, h, i, s: (bi, h, i, 0)),
-            *_page_block_specs(k_arrays, head_map),
-            *_page_block_specs(v_arrays, head_map),
+            *[pl.BlockSpec((1,), lambda bi, h, i, s: (0,))] * len(layer_ops),
+            *_page_block_specs(k_arrays, head_map, layered),
+            *_page_block_specs(v_arrays, head_map, layered),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_r, d), lambda bi, h, i, s: (s, bi, h, i, 0)),
@@ -307,8 +341,9 @@ def paged_attention_rows_pallas(
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvq_paged_attention_r{block_r}_ppb{pages_per_block}_p{page_size}_s{k_splits}",
-    )(lengths, q_start, tables, q_rows, *k_arrays, *v_arrays)
+        name=f"kvq_paged_attention_r{block_r}_ppb{pages_per_block}_p{page_size}_s{k_splits}"
+             + ("_layered" if layered else ""),
+    )(lengths, q_start, tables, q_rows, *layer_ops, *k_arrays, *v_arrays)
 
     # Merge the splits (flash-decoding): rescale each to the global max, then normalize.
     top = jnp.max(mx, axis=0)
@@ -324,6 +359,7 @@ def paged_attention_rows_pallas(
         mass_kernel = functools.partial(
             _mass_kernel, k_spec=k_spec, group=group, num_t=num_t, page_size=page_size,
             pages_per_block=pages_per_block, block_r=block_r, sm_scale=float(sm_scale),
+            layered=layered,
         )
         block_k = pages_per_block * page_size
         head_map3 = lambda bi, h, j: (h,) + (0,) * 3
@@ -336,14 +372,16 @@ def paged_attention_rows_pallas(
                 pl.BlockSpec((None, m_pad), lambda bi, h, j: (bi, 0)),
                 pl.BlockSpec((None, None, r_pad, d), lambda bi, h, j: (bi, h, 0, 0)),
                 pl.BlockSpec((None, None, r_pad), lambda bi, h, j: (bi, h, 0)),
-                *_page_block_specs(k_arrays, head_map3),
+                *[pl.BlockSpec((1,), lambda bi, h, j: (0,))] * len(layer_ops),
+                *_page_block_specs(k_arrays, head_map3, layered),
             ],
             out_specs=pl.BlockSpec((None, None, block_k), lambda bi, h, j: (bi, h, j)),
             out_shape=jax.ShapeDtypeStruct((b, hkv, m_pad * page_size), jnp.float32),
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             interpret=interpret,
-            name=f"kvq_attention_mass_r{block_r}_ppb{pages_per_block}_p{page_size}",
-        )(lengths, q_start, tables, q_rows, lse, *k_arrays)
+            name=f"kvq_attention_mass_r{block_r}_ppb{pages_per_block}_p{page_size}"
+                 + ("_layered" if layered else ""),
+        )(lengths, q_start, tables, q_rows, lse, *layer_ops, *k_arrays)
         per_token = per_token[:, :, : m * page_size]
     return out[:, :, :r], lse[:, :, :r], per_token
 
@@ -365,10 +403,11 @@ def _default_splits(batch: int, kv_heads: int, row_blocks: int, max_blocks: int,
 
 def decode_pallas(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, mass=None,
                   interpret=False, block_r=None, pages_per_block=None, k_splits=None,
-                  num_warps=4, num_stages=2):
-    """Decode through the Pallas kernel -> (out [B, Hq, D], AttentionAux). Knobs are static."""
+                  num_warps=4, num_stages=2, layer=None):
+    """Decode through the Pallas kernel -> (out [B, Hq, D], AttentionAux). Knobs are static;
+    `layer` (None or i32[], traced allowed) reads pools with a layer axis at that layer."""
     b, hq, d = q.shape
-    hkv, _, page_size, _ = k_pages.shape
+    hkv, _, page_size, _ = page_shape(k_pages)
     g = hq // hkv
     block_r = block_r or max(16, _pow2(g))
     pages_per_block = pages_per_block or _default_pages_per_block(page_size)
@@ -376,7 +415,7 @@ def decode_pallas(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, 
         k_splits = 1 if interpret else _default_splits(
             b, hkv, 1, block_tables.shape[1], pages_per_block)
     out, lse, per_token = paged_attention_rows_pallas(
-        q.reshape(b, hkv, g, d), k_pages, v_pages, block_tables, lengths, lengths - 1,
+        q.reshape(b, hkv, g, d), k_pages, v_pages, block_tables, lengths, lengths - 1, layer,
         group=g, num_t=1, sm_scale=float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale),
         mass=mass, block_r=block_r, pages_per_block=pages_per_block, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
@@ -387,16 +426,17 @@ def decode_pallas(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, 
 
 def prefill_pallas(q, k_pages, v_pages, block_tables, lengths, q_start, *, sm_scale=None,
                    mass=None, interpret=False, block_r=None, pages_per_block=None, k_splits=1,
-                   num_warps=4, num_stages=2):
-    """Chunked prefill through the Pallas kernel -> (out [B, T, Hq, D], AttentionAux)."""
+                   num_warps=4, num_stages=2, layer=None):
+    """Chunked prefill through the Pallas kernel -> (out [B, T, Hq, D], AttentionAux); `layer`
+    as in `decode_pallas`."""
     b, t, hq, d = q.shape
-    hkv, _, page_size, _ = k_pages.shape
+    hkv, _, page_size, _ = page_shape(k_pages)
     g = hq // hkv
     block_r = block_r or max(16, min(64, _pow2(t * g)))
     pages_per_block = pages_per_block or _default_pages_per_block(page_size)
     q_rows = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
     out, lse, per_token = paged_attention_rows_pallas(
-        q_rows, k_pages, v_pages, block_tables, lengths, q_start,
+        q_rows, k_pages, v_pages, block_tables, lengths, q_start, layer,
         group=g, num_t=t, sm_scale=float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale),
         mass=mass, block_r=block_r, pages_per_block=pages_per_block, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,

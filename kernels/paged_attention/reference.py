@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels.paged_attention.layered import at_layer, page_shape, pool_layers, take_blocks
 from kernels.quantization import QuantizedPages, dequantize_tile
 
 
@@ -46,18 +47,19 @@ class AttentionAux(NamedTuple):
     mass: jax.Array | None
 
 
-def gather_pages(pages, block_tables: jax.Array, dtype) -> jax.Array:
+def gather_pages(pages, block_tables: jax.Array, dtype, layer=None) -> jax.Array:
     """Pages of each sequence, `[Hkv, B, M*P, D]` in `dtype`, one gather per array.
 
     Table entries are clipped into range: entries past a sequence's length may hold the sentinel
-    or arbitrary blocks, and what they point at is masked out by the caller.
+    or arbitrary blocks, and what they point at is masked out by the caller. With `layer`,
+    `pages` is a pool with a layer axis and the layer is part of the gather's index.
     """
     b, m = block_tables.shape
+    g = take_blocks(pages, block_tables, layer)  # arrays [Hkv, B, M, P|1, ...]
     if isinstance(pages, QuantizedPages):
-        g = pages.take_blocks(block_tables)  # arrays [Hkv, B, M, P|1, ...]
         x = dequantize_tile(g.data, g.scales, g.zeros, g.spec, dtype)
     else:
-        x = jnp.take(pages, block_tables, axis=1, mode="clip").astype(dtype)
+        x = g.astype(dtype)
     h, _, _, p, d = x.shape
     return x.reshape(h, b, m * p, d)
 
@@ -73,14 +75,15 @@ def compute_dtype(q_dtype, page_dtype):
 _HIGHEST = lax.Precision.HIGHEST  # f32 stays f32 on GPU too (no TF32); free on CPU
 
 
-def _chunk_logits(q_rows, k_pages, block_tables, row_pos, lengths, first_pos, sm_scale):
+def _chunk_logits(q_rows, k_pages, block_tables, row_pos, lengths, first_pos, sm_scale,
+                  layer=None):
     """Scaled, masked logits of rows against one chunk of table columns.
 
     -> (logits f32[Hkv, B, R, C], in_len bool[B, C]) for the C = columns * P key slots starting at
     cache position `first_pos`; invisible slots hold -inf.
     """
     k_dtype = compute_dtype(q_rows.dtype, k_pages.dtype) if _plain(k_pages) else jnp.float32
-    k = gather_pages(k_pages, block_tables, k_dtype)
+    k = gather_pages(k_pages, block_tables, k_dtype, layer)
     key_pos = first_pos + jnp.arange(k.shape[2], dtype=jnp.int32)
     in_len = key_pos[None, :] < lengths[:, None]  # [B, C]
     logits = jnp.einsum("hbrd,hbsd->hbrs", q_rows.astype(k.dtype), k, precision=_HIGHEST,
@@ -89,13 +92,16 @@ def _chunk_logits(q_rows, k_pages, block_tables, row_pos, lengths, first_pos, sm
     return jnp.where(visible[None], logits, -jnp.inf), in_len
 
 
-def _pool_logits(q_rows, k_pages, block_tables, row_pos, lengths, sm_scale):
+def _pool_logits(q_rows, k_pages, block_tables, row_pos, lengths, sm_scale, layer=None):
     """Like `_chunk_logits` over the whole table, but by one dot against every slot of the pool
     followed by a gather of logits (4 bytes a slot and row) instead of K (4*D bytes a slot).
 
     Pays when the pool is about as large as the tables it serves; unused slots may give NaN
     logits, but only the table's slots are picked and the invisible ones replaced by -inf.
+    With `layer`, the dot runs over that layer of a pool with a layer axis.
     """
+    if layer is not None:
+        k_pages = at_layer(k_pages, layer)
     h, n, p, d = k_pages.shape
     _, b, r, _ = q_rows.shape
     dt = compute_dtype(q_rows.dtype, k_pages.dtype)
@@ -116,15 +122,15 @@ def use_pool_dot(k_pages, batch, rows, max_blocks, max_rows=8, logits_budget=1 <
     ~1.5x, but loses to the chunked gather at batch 8) and all logits within `logits_budget`."""
     if not _plain(k_pages):
         return False
-    h, n, p, _ = k_pages.shape
+    h, n, p, _ = page_shape(k_pages)  # one layer's, with or without a layer axis
     return (n <= 2 * batch * max_blocks and batch * rows <= max_rows
             and h * batch * rows * n * p * 4 <= logits_budget)
 
 
-def _chunk_values(v_pages, block_tables, in_len):
+def _chunk_values(v_pages, block_tables, in_len, layer=None):
     """V of one chunk [Hkv, B, C, D] f32, zero past the length (those slots may hold NaN:
     0 * NaN would leak through the value product). The mask fuses into the gather."""
-    v = gather_pages(v_pages, block_tables, jnp.float32)
+    v = gather_pages(v_pages, block_tables, jnp.float32, layer)
     return jnp.where(in_len[None, :, :, None], v, 0.0)
 
 
@@ -148,8 +154,8 @@ def auto_chunk_pages(batch, kv_heads, rows, page_size, head_dim, max_blocks,
 def paged_attention_rows(
     q_rows: jax.Array,  # [Hkv, B, R, D]
     row_pos: jax.Array,  # i32[B, R]: cache position of each row, -1 for padding rows
-    k_pages,  # [Hkv, N, P, D] or QuantizedPages
-    v_pages,  # [Hkv, N, P, D] or QuantizedPages
+    k_pages,  # [Hkv, N, P, D] or QuantizedPages; with `layer`: [L, Hkv, N, P, D]
+    v_pages,  # like k_pages
     block_tables: jax.Array,  # i32[B, M]
     lengths: jax.Array,  # i32[B]
     *,
@@ -158,6 +164,7 @@ def paged_attention_rows(
     mass: str | None,
     chunk_pages: int | None = None,
     pool_dot: bool | None = None,
+    layer=None,
 ):
     """Attention of query rows over paged K/V -> (out [Hkv, B, R, D] f32, lse [Hkv, B, R], mass).
 
@@ -168,10 +175,20 @@ def paged_attention_rows(
     attention (one pass when it fits one chunk); the loop stops after the last chunk any row can
     see, so a wide table over short sequences costs what the sequences cost. `pool_dot` (None:
     `use_pool_dot` decides) takes all logits in one pass by `_pool_logits` instead.
+
+    `layer` (i32[], traced allowed): K and V are pools with a layer axis, read at that layer
+    (clamped into range); every choice above is made on one layer's shape, so the result is
+    that of the call on `pool[layer]`, bitwise.
     """
     hkv, b, r, d = q_rows.shape
     m_cols = block_tables.shape[1]
-    page = k_pages.shape[2]
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if (pool_layers(pages) is None) != (layer is None):
+            raise ValueError(f"{name}: a [L, Hkv, N, P, D] pool goes with layer= and one "
+                             f"layer's [Hkv, N, P, D] pages without it (layer={layer!r})")
+    if layer is not None:
+        layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, pool_layers(k_pages) - 1)
+    page = page_shape(k_pages)[2]
     if pool_dot is None:
         pool_dot = use_pool_dot(k_pages, b, r, m_cols)
     if pool_dot and not _plain(k_pages):
@@ -190,14 +207,15 @@ def paged_attention_rows(
     def step(j, carry):
         o, m, l = carry
         if pool_dot:  # one chunk: the whole table
-            logits, in_len = _pool_logits(q_rows, k_pages, tables, row_pos, lengths, sm_scale)
+            logits, in_len = _pool_logits(q_rows, k_pages, tables, row_pos, lengths, sm_scale,
+                                          layer)
         else:
             logits, in_len = _chunk_logits(q_rows, k_pages, columns(j), row_pos, lengths,
-                                           j * c * page, sm_scale)
+                                           j * c * page, sm_scale, layer)
         m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
         alpha = jnp.exp(m - _safe(m_new))  # m = -inf (nothing seen yet) -> 0
         p = jnp.exp(logits - _safe(m_new)[..., None])  # invisible: exp(-inf) = 0
-        v = _chunk_values(v_pages, columns(j), in_len)
+        v = _chunk_values(v_pages, columns(j), in_len, layer)
         pv = jnp.einsum("hbrs,hbsd->hbrd", p, v, precision=_HIGHEST,
                         preferred_element_type=jnp.float32)
         return alpha[..., None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=-1)
@@ -218,7 +236,7 @@ def paged_attention_rows(
 
     def mass_step(j):
         logits, _ = _chunk_logits(q_rows, k_pages, columns(j), row_pos, lengths, j * c * page,
-                                  sm_scale)
+                                  sm_scale, layer)
         p = jnp.exp(logits - _safe(lse)[..., None])  # exact probabilities; invisible -> 0
         return jnp.sum(p, axis=2).transpose(1, 0, 2) / group  # [B, Hkv, C]
 
@@ -240,13 +258,13 @@ def _block_mass(per_token: jax.Array, mass: str, page_size: int) -> jax.Array:
 
 
 def _page_size(pages) -> int:
-    return pages.shape[2]
+    return page_shape(pages)[2]
 
 
 def decode_reference(
     q: jax.Array,  # [B, Hq, D]
-    k_pages,  # [Hkv, N, P, D] or QuantizedPages
-    v_pages,  # [Hkv, N, P, D] or QuantizedPages
+    k_pages,  # [Hkv, N, P, D] or QuantizedPages ([L, ...] with layer)
+    v_pages,  # like k_pages
     block_tables: jax.Array,  # i32[B, M]
     lengths: jax.Array,  # i32[B]
     *,
@@ -254,14 +272,17 @@ def decode_reference(
     mass: str | None = None,
     chunk_pages: int | None = None,
     pool_dot: bool | None = None,
+    layer=None,
 ) -> tuple[jax.Array, AttentionAux]:
     """Decode attention, plain JAX: (out [B, Hq, D] in q.dtype, AttentionAux).
 
     Static knobs of the algorithm (same result either way): `chunk_pages`, table columns per
     loop step (None: cache-sized); `pool_dot`, logits by one dot over the pool (None: by shape).
+    `layer` (i32[], traced allowed): k_pages/v_pages are `[L, Hkv, N, P, D]` pools (QuantizedPages
+    with a leading [L] axis) read at that layer; the result is the call on `pool[layer]`'s.
     """
     b, hq, d = q.shape
-    hkv = k_pages.shape[0]
+    hkv = page_shape(k_pages)[0]
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     q_rows = q.reshape(b, hkv, g, d).transpose(1, 0, 2, 3)  # [Hkv, B, g, D]
@@ -269,7 +290,7 @@ def decode_reference(
     out, lse, per_token = paged_attention_rows(
         q_rows, row_pos, k_pages, v_pages, block_tables, lengths,
         sm_scale=scale, group=g, mass=mass, chunk_pages=chunk_pages,
-        pool_dot=pool_dot,
+        pool_dot=pool_dot, layer=layer,
     )
     out = out.transpose(1, 0, 2, 3).reshape(b, hq, d).astype(q.dtype)
     lse = lse.transpose(1, 0, 2).reshape(b, hq)
@@ -279,8 +300,8 @@ def decode_reference(
 
 def prefill_reference(
     q: jax.Array,  # [B, T, Hq, D]
-    k_pages,  # [Hkv, N, P, D] or QuantizedPages
-    v_pages,  # [Hkv, N, P, D] or QuantizedPages
+    k_pages,  # [Hkv, N, P, D] or QuantizedPages ([L, ...] with layer)
+    v_pages,  # like k_pages
     block_tables: jax.Array,  # i32[B, M]
     lengths: jax.Array,  # i32[B]
     q_start: jax.Array,  # i32[B]
@@ -289,13 +310,14 @@ def prefill_reference(
     mass: str | None = None,
     chunk_pages: int | None = None,
     pool_dot: bool | None = None,
+    layer=None,
 ) -> tuple[jax.Array, AttentionAux]:
     """Chunked prefill attention, plain JAX: (out [B, T, Hq, D] in q.dtype, AttentionAux).
 
-    Static knobs as in `decode_reference`.
+    Static knobs and `layer` as in `decode_reference`.
     """
     b, t, hq, d = q.shape
-    hkv = k_pages.shape[0]
+    hkv = page_shape(k_pages)[0]
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     q_rows = q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * g, d)
@@ -305,7 +327,7 @@ def prefill_reference(
     out, lse, per_token = paged_attention_rows(
         q_rows, row_pos, k_pages, v_pages, block_tables, lengths,
         sm_scale=scale, group=g, mass=mass, chunk_pages=chunk_pages,
-        pool_dot=pool_dot,
+        pool_dot=pool_dot, layer=layer,
     )
     out = out.reshape(hkv, b, t, g, d).transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d)
     lse = lse.reshape(hkv, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, hq)

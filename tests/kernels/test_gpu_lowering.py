@@ -156,3 +156,33 @@ def test_decode_lowers_on_an_abstract_gpu():
         text = _export_for_cuda(lambda q, k, v, t, l: pk.decode_pallas(q, k, v, t, l),
                                 q, pages, pages, tables, lengths)
     assert text.count(TRITON_CALL) == 1
+
+
+@pytest.mark.parametrize("name", [None, "kivi4"])
+def test_layered_pool_lowers_to_triton(lower_for_cuda, name):
+    """A pool of every layer read at a traced layer (the model's scan index): the layer is an
+    operand offsetting the page loads, with no layer slice outside the kernel."""
+    q, pages, tables, lengths = _shapes()
+    layers = 3
+    if name is None:
+        k = v = jax.ShapeDtypeStruct((layers, *pages.shape), pages.dtype)
+    else:
+        zeros = jnp.zeros(pages.shape, jnp.float32)
+        k, v = quantize_kv(zeros, zeros, name)
+        k, v = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct((layers, *a.shape), a.dtype), (k, v))
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+    text = lower_for_cuda(
+        lambda q, k, v, t, l, layer: pk.decode_pallas(q, k, v, t, l, mass="block", layer=layer),
+        q, k, v, tables, lengths, layer)
+    assert text.count(TRITON_CALL) == 2  # attention kernel + mass kernel
+    assert "dynamic_slice" not in text  # the pool is passed whole, never sliced to a layer
+
+
+def test_layered_prefill_lowers_to_triton(lower_for_cuda):
+    q, pages, tables, lengths = _shapes(t=7, q_heads=9, kv_heads=3, d=64, page=8)
+    pool = jax.ShapeDtypeStruct((2, *pages.shape), pages.dtype)
+    text = lower_for_cuda(
+        lambda q, k, v, t, l, s, layer: pk.prefill_pallas(q, k, v, t, l, s, layer=layer),
+        q, pool, pool, tables, lengths, lengths, jax.ShapeDtypeStruct((), jnp.int32))
+    assert text.count(TRITON_CALL) == 1
