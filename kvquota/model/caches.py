@@ -9,7 +9,8 @@ Two caches share one model (`kvquota.model.decoder.Decoder`):
     plain low-precision arrays with a leading [L] axis). Token at cache index i of a sequence
     lives at global block `block_table[i // P]`, slot `i % P`; a block's page is its id minus
     its pool's first id. Attention runs through `kernels.paged_attention` (`prefill` for
-    chunks, `decode` when T == 1).
+    chunks, `decode` when T == 1), which take each pool whole, [L] axis included, with
+    `layer=` (the scan's index): slicing `pool[layer]` inside the scan would copy a layer's pool.
 
 Mixed pools (DESIGN.md §2 "Pools per precision"). Attention over a set of cached keys does not
 depend on their order (RoPE is applied before K is cached), so a sequence whose table mixes
@@ -70,11 +71,6 @@ class DenseKV:
 def _blocks_of(pages) -> int:
     """Blocks of one pool's K or V (block axis 2 in every array of every pool)."""
     return jax.tree_util.tree_leaves(pages)[0].shape[2]
-
-
-def _at_layer(pages, layer):
-    """One layer of a pool's K or V: `QuantizedPages` or a plain array, [L] axis dropped."""
-    return jax.tree_util.tree_map(lambda a: a[layer], pages)
 
 
 @flax.struct.dataclass
@@ -260,9 +256,9 @@ def _fold(chunk: int, group: int, backend: str) -> int:
     return max(f for f in range(1, min(chunk, cap) + 1) if chunk % f == 0)
 
 
-def _attend_all(q, k_pages, v_pages, tables, lengths, sm_scale: float, backend: str):
-    """Every query row of q [B, T, Hq, D] against every cached key of a pool (keys that all
-    precede the chunk: compressed blocks) -> (out [B, T, Hq, D], lse f32[B, T, Hq]).
+def _attend_all(q, k_pages, v_pages, layer, tables, lengths, sm_scale: float, backend: str):
+    """Every query row of q [B, T, Hq, D] against every cached key of layer `layer` of a pool
+    (keys that all precede the chunk: compressed blocks) -> (out [B, T, Hq, D], lse [B, T, Hq]).
 
     Through `paged_attention.decode`, whose query sits past every key: the T tokens are folded
     into the query rows of their KV head ([B*T/f, Hkv*f*G, D], f = `_fold`). The prefill kernel
@@ -273,7 +269,7 @@ def _attend_all(q, k_pages, v_pages, tables, lengths, sm_scale: float, backend: 
     from kernels import paged_attention
 
     b, t, hq, d = q.shape
-    hkv = jax.tree_util.tree_leaves(k_pages)[0].shape[0]
+    hkv = jax.tree_util.tree_leaves(k_pages)[0].shape[1]  # [L, Hkv, ...] in every array
     g = hq // hkv
     f = _fold(t, g, backend)
     n = t // f
@@ -283,7 +279,8 @@ def _attend_all(q, k_pages, v_pages, tables, lengths, sm_scale: float, backend: 
 
     def run():
         out, aux = paged_attention.decode(qf, k_pages, v_pages, rep_tables, rep_lengths,
-                                          sm_scale=sm_scale, return_lse=True, backend=backend)
+                                          sm_scale=sm_scale, return_lse=True, backend=backend,
+                                          layer=layer)
         return out, aux.lse
 
     def empty():
@@ -299,36 +296,36 @@ def _paged_attend(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: float, ba
     """Attention through `kernels.paged_attention` for q [B, T, Hq, D] -> [B, T, Hq, D]."""
     from kernels import paged_attention  # local: the model module imports without kernels
 
-    k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]  # [Hkv, N, P, D]
+    k_pages, v_pages = cache.k_pages, cache.v_pages  # [L, Hkv, N, P, D], read at `layer`
     if not cache.compressed:  # the single-pool path: the raw table, one call
         if q.shape[1] == 1:
             out = paged_attention.decode(
                 q[:, 0], k_pages, v_pages, meta.block_tables, meta.lengths,
-                sm_scale=sm_scale, backend=backend,
+                sm_scale=sm_scale, backend=backend, layer=layer,
             )
             return out[:, None]
         return paged_attention.prefill(
             q, k_pages, v_pages, meta.block_tables, meta.lengths, meta.start,
-            sm_scale=sm_scale, backend=backend,
+            sm_scale=sm_scale, backend=backend, layer=layer,
         )
     pools = meta.pools
     tables0, lengths0 = pools.tables[0], pools.lengths[0]
     if q.shape[1] == 1:  # the query is the last pool-0 token
         out0, aux0 = paged_attention.decode(
             q[:, 0], k_pages, v_pages, tables0, lengths0,
-            sm_scale=sm_scale, return_lse=True, backend=backend,
+            sm_scale=sm_scale, return_lse=True, backend=backend, layer=layer,
         )
         outs, lses = [out0[:, None]], [aux0.lse[:, None]]
     else:  # every other pool's tokens precede the chunk: shift it by their count
         start0 = meta.start - (meta.lengths - lengths0)
         out0, aux0 = paged_attention.prefill(
             q, k_pages, v_pages, tables0, lengths0, start0,
-            sm_scale=sm_scale, return_lse=True, backend=backend,
+            sm_scale=sm_scale, return_lse=True, backend=backend, layer=layer,
         )
         outs, lses = [out0], [aux0.lse]
     for p, (kp, vp) in enumerate(cache.compressed, start=1):
-        out, lse = _attend_all(q, _at_layer(kp, layer), _at_layer(vp, layer), pools.tables[p],
-                               pools.lengths[p], sm_scale, backend)
+        out, lse = _attend_all(q, kp, vp, layer, pools.tables[p], pools.lengths[p], sm_scale,
+                               backend)
         outs.append(out)
         lses.append(lse)
     out, _ = paged_attention.merge_attention(outs, lses)
@@ -339,22 +336,23 @@ def _paged_attend(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: float, ba
 # Attention mass (decode).
 
 
-def _decode_per_head(q, k_pages, v_pages, tables, lengths, sm_scale: float, backend: str):
-    """Decode of q [B, Hq, D] over one pool with each query head its own batch row (group 1),
-    so the kernels' mass is per head -> (out [B, Hq, D], lse f32[B, Hq], mass f32[B, Hq, M*P]).
-    A pool no sequence of the batch holds anything of is skipped (`lax.cond`)."""
+def _decode_per_head(q, k_pages, v_pages, layer, tables, lengths, page: int, sm_scale: float,
+                     backend: str):
+    """Decode of q [B, Hq, D] over layer `layer` of one pool with each query head its own batch
+    row (group 1), so the kernels' mass is per head -> (out [B, Hq, D], lse f32[B, Hq], mass
+    f32[B, Hq, M*P]). A pool no sequence of the batch holds anything of is skipped (`lax.cond`)."""
     from kernels import paged_attention
 
     b, hq, d = q.shape
-    hkv = jax.tree_util.tree_leaves(k_pages)[0].shape[0]
+    hkv = jax.tree_util.tree_leaves(k_pages)[0].shape[1]  # [L, Hkv, ...] in every array
     g = hq // hkv
-    width = tables.shape[1] * k_pages.shape[2]  # M * P (QuantizedPages has the logical shape)
+    width = tables.shape[1] * page  # M * P (every pool has pool 0's page size)
     qh = q.reshape(b, hkv, g, d).transpose(0, 2, 1, 3).reshape(b * g, hkv, d)
 
     def run():
         out, aux = paged_attention.decode(qh, k_pages, v_pages, jnp.repeat(tables, g, axis=0),
                                           jnp.repeat(lengths, g), sm_scale=sm_scale,
-                                          mass="token", backend=backend)
+                                          mass="token", backend=backend, layer=layer)
         return out, aux.lse, aux.mass
 
     def empty():
@@ -379,18 +377,17 @@ def _paged_attend_mass(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: floa
     if q.shape[1] != 1:
         raise ValueError(f"attention mass is computed for decode (T == 1), got T = {q.shape[1]}")
     b, _, hq, _ = q.shape
-    k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]
+    k_pages, v_pages = cache.k_pages, cache.v_pages  # [L, Hkv, N, P, D], read at `layer`
     page, m = cache.k_pages.shape[3], meta.block_tables.shape[1]
     if not cache.compressed:  # the single-pool path's call, its out unchanged
         out, aux = paged_attention.decode(q[:, 0], k_pages, v_pages, meta.block_tables,
                                           meta.lengths, sm_scale=sm_scale, mass="token",
-                                          backend=backend)
+                                          backend=backend, layer=layer)
         return out[:, None], jnp.sum(aux.mass, axis=1)
     pools = meta.pools
-    parts = [(k_pages, v_pages)] + [(_at_layer(kp, layer), _at_layer(vp, layer))
-                                    for kp, vp in cache.compressed]
-    results = [_decode_per_head(q[:, 0], kp, vp, pools.tables[p], pools.lengths[p], sm_scale,
-                                backend) for p, (kp, vp) in enumerate(parts)]
+    parts = [(k_pages, v_pages)] + list(cache.compressed)
+    results = [_decode_per_head(q[:, 0], kp, vp, layer, pools.tables[p], pools.lengths[p], page,
+                                sm_scale, backend) for p, (kp, vp) in enumerate(parts)]
     out, lse = paged_attention.merge_attention([r[0] for r in results], [r[1] for r in results])
     hkv = cache.k_pages.shape[1]
     mass = jnp.zeros((b, m, page), jnp.float32)
