@@ -63,8 +63,9 @@ class TierOps:
         return counts, np.asarray(state.seqs.seq_tenant)[real]
 
     def offload(self, state, seq_ids, *, donate=False) -> tuple[KVState, MoveReport]:
-        """Move running sequences' own device blocks to the host pool; they become SUSPENDED
-        (not decodable until restored). Shared and pinned blocks stay on the device."""
+        """Move running sequences' own full-precision (pool-0) blocks to the host pool; they
+        become SUSPENDED (not decodable until restored). Shared, pinned and compressed blocks
+        stay on the device (the host pool holds full precision; a compressed block is small)."""
         self._check_state(state)
         c = self.config
         real, rows = self._moves(state, seq_ids, "offload", (SEQ_RUNNING,))
@@ -143,15 +144,16 @@ class TierOps:
         copied on write. `attention` f32[B, C] is the last step's attention (TOVA needs it).
 
         mode "token": survivors packed into full blocks (pool-0 pages rewritten; sequences
-        holding compressed blocks are refused). mode "block": the `keep_tokens // block_size`
-        top-scored whole blocks stay, the table is compacted and own blocks are not copied."""
+        holding compressed blocks are refused). mode "block": the `keep_tokens // block_size` (at
+        least one) top-scored whole blocks stay, the table is compacted and own blocks are not
+        copied. keep_tokens >= 1: to drop everything, free the sequence."""
         self._check_state(state)
         c = self.config
         pol = get_policy(policy, **options)
         ids, real = self._batch(state, seq_ids, "evict", (SEQ_RUNNING,))
         keep = int_scalar("keep_tokens", keep_tokens, InvalidArgumentError)
-        if keep < 0:
-            raise InvalidArgumentError(f"keep_tokens must be >= 0, got {keep}")
+        if keep < 1:  # a running sequence holds at least one token (free it instead)
+            raise InvalidArgumentError(f"keep_tokens must be >= 1, got {keep}")
         if mode not in ("token", "block"):
             raise InvalidArgumentError(f"evict mode must be 'token' or 'block', got {mode!r}")
         tables = np.asarray(state.seqs.block_tables)[np.maximum(ids, 0)]
@@ -165,7 +167,7 @@ class TierOps:
             need = int(core.evict_fresh_count(c, state, ids, mask))
         else:
             mask = np.asarray(pol.block_keep_mask(
-                view, c.block_size, np.full(ids.size, keep // c.block_size, np.int32)))
+                view, c.block_size, np.full(ids.size, max(1, keep // c.block_size), np.int32)))
             need, outside = core.evict_block_fresh_count(c, state, ids, mask)
             need = int(need)
             if bool(outside):

@@ -173,6 +173,8 @@ BAD = [
      lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=2, window=3)),
     ("negative keep_tokens", E.InvalidArgumentError,
      lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=-1)),
+    ("keep nothing (free it instead)", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=0)),
     ("tova without attention", E.InvalidArgumentError,
      lambda a, s: a.evict(s, [0], policy="tova", keep_tokens=2)),
     ("a free slot", E.UnknownSequenceError, lambda a, s: a.evict(s, [3], policy="h2o",
