@@ -137,10 +137,12 @@ step tests 130 40 tests_kernels.log \
 
 # 3a. Mixed pools on the GPU: the model over pool 0 + compressed pools (each quantized format)
 # merged by log-sum-exp against the dequantized single-pool oracle, attention mass, and an
-# offload -> restore round trip through pinned host memory (bit-exact pages).
+# offload -> restore round trip through pinned host memory (bit-exact pages), and the model on
+# the Pallas backend against the reference backend and the float64 NumPy oracle.
 step tests_tiers 80 30 tests_tiers.log \
   "$PY" -m pytest -q -p no:cacheprovider --durations=5 -m "not slow" \
-  tests/model/test_mixed_pools.py tests/model/test_attention_mass.py tests/state/test_state_tiers.py
+  tests/model/test_mixed_pools.py tests/model/test_attention_mass.py tests/state/test_state_tiers.py \
+  tests/serving/test_public_paths.py tests/model/test_numpy_oracle.py
 
 # 3b. jax 0.11 without a GPU (JAX_PLATFORMS=cpu hides it): lowering for CUDA must take the
 # abstract-device route of tests/kernels/test_gpu_lowering.py (passes, or skips with the reason).
