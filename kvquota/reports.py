@@ -94,8 +94,15 @@ class FreeReport:
     inherited_units: jax.Array  # i32[T]  charges taken over per heir, in byte units
     heir_over_quota: jax.Array  # bool[T]  an inherited charge put the heir over its byte quota
     unpinned_blocks: jax.Array  # i32[]  pins dropped (release with unpin=True, or unpin)
+    host_blocks_used: jax.Array  # i32[]  host pool blocks held after the call
     pool_bytes: tuple = struct.field(pytree_node=False, default=())
     unit_bytes: int = struct.field(pytree_node=False, default=1)
+    host_blocks: int = struct.field(pytree_node=False, default=0)
+    host_watermark: float = struct.field(pytree_node=False, default=0.8)
+
+    @property
+    def host_alarm(self) -> bool:
+        return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
 
     @property
     def pool_bytes_returned(self) -> int:
@@ -165,10 +172,17 @@ class CompressReport:
     compressed_blocks: jax.Array  # i32[B]  blocks requantized per sequence
     blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
     quota_units_released: jax.Array  # i32[T]  pool-0 charges dropped per tenant, in byte units
+    host_blocks_used: jax.Array  # i32[]  host pool blocks held after the call
     pool: int = struct.field(pytree_node=False, default=1)  # the compressed pool written
     pool_bytes: tuple = struct.field(pytree_node=False, default=())
     unit_bytes: int = struct.field(pytree_node=False, default=1)
     lossy: bool = struct.field(pytree_node=False, default=True)
+    host_blocks: int = struct.field(pytree_node=False, default=0)
+    host_watermark: float = struct.field(pytree_node=False, default=0.8)
+
+    @property
+    def host_alarm(self) -> bool:
+        return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
 
     @property
     def blocks_compressed(self) -> int:
@@ -198,9 +212,16 @@ class EvictReport:
     blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
     quota_units_released: jax.Array  # i32[T]  charges dropped per tenant, in byte units
     transferred_blocks: jax.Array  # i32[]  shared blocks whose charge passed to an heir
+    host_blocks_used: jax.Array  # i32[]  host pool blocks held after the call
     pool_bytes: tuple = struct.field(pytree_node=False, default=())
     unit_bytes: int = struct.field(pytree_node=False, default=1)
     lossy: bool = struct.field(pytree_node=False, default=True)
+    host_blocks: int = struct.field(pytree_node=False, default=0)
+    host_watermark: float = struct.field(pytree_node=False, default=0.8)
+
+    @property
+    def host_alarm(self) -> bool:
+        return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
 
     @property
     def pool_bytes_returned(self) -> int:

@@ -74,8 +74,11 @@ def compress(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_r
         compressed_blocks=per_seq,
         blocks_returned=rep["blocks_returned"],
         quota_units_released=rep["quota_units_released"],
+        host_blocks_used=rep["host_blocks_used"],
         pool=pool,
         pool_bytes=config.pool_bytes,
         unit_bytes=config.unit_bytes,
+        host_blocks=config.host_blocks,
+        host_watermark=config.host_watermark,
     )
     return state, report

@@ -241,7 +241,10 @@ def _settle_and_report(config, state, pl, gone, heirs, evicted):
         blocks_returned=rep["blocks_returned"],
         quota_units_released=rep["quota_units_released"],
         transferred_blocks=rep["transferred_blocks"],
+        host_blocks_used=rep["host_blocks_used"],
         pool_bytes=config.pool_bytes,
         unit_bytes=config.unit_bytes,
+        host_blocks=config.host_blocks,
+        host_watermark=config.host_watermark,
     )
     return state, report

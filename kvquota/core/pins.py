@@ -58,6 +58,8 @@ def unpin(config: StateConfig, state: KVState, block_ids, heir_rows):
         unpinned_blocks=keep.sum().astype(jnp.int32),
         pool_bytes=config.pool_bytes,
         unit_bytes=config.unit_bytes,
+        host_blocks=config.host_blocks,
+        host_watermark=config.host_watermark,
         **rep,
     )
     return state, report

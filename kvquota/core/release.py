@@ -112,7 +112,10 @@ def settle(config, state, touched, heirs, reads=()):
     state = s.update(**updates)
     if config.scrub_on_free:
         state = state.replace(pages=scrub_blocks(config, s.pages, b, freed))
+    host_used = (config.pool_sizes[config.host_pool] - state.free.free_count[config.host_pool]
+                 if config.host_pool is not None else jnp.int32(0))
     return state, dict(
+        host_blocks_used=jnp.asarray(host_used, jnp.int32),
         blocks_returned=returned,
         quota_units_released=released,
         transferred_blocks=moved.sum().astype(jnp.int32),
@@ -167,6 +170,8 @@ def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_
         unpinned_blocks=unpinned,
         pool_bytes=config.pool_bytes,
         unit_bytes=config.unit_bytes,
+        host_blocks=config.host_blocks,
+        host_watermark=config.host_watermark,
         **rep,
     )
     return state, report

@@ -109,9 +109,11 @@ def test_freeing_and_releasing_a_suspended_sequence():
     s2, rep = alloc.free(s, [0])
     alloc.check(s2)
     assert rep.blocks_returned.tolist()[TINY.host_pool] == 2
-    s3, _ = alloc.release_tenant(s, 1)
+    s3, rep = alloc.release_tenant(s, 1)
     alloc.check(s3)
     assert int(s3.tenants.charged_blocks[1].sum()) == 0
+    # Every report carries the host pool's use and its watermark alarm (4 host blocks, 80 %).
+    assert int(rep.host_blocks_used) == 2 and not rep.host_alarm
 
 
 def test_watermark_alarm():
