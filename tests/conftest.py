@@ -32,6 +32,17 @@ def strict_jax_settings() -> None:
 
 strict_jax_settings()
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_executables():
+    """Drop jax's compiled executables after each test module. The default suite compiles
+    thousands of programs in one process; a full run that kept them all crashed XLA:CPU's
+    compiler (a segfault compiling a release core in tests/state/test_state_scale.py, a test
+    that passes alone), so each module starts from empty caches (modules share few shapes)."""
+    yield
+    jax.clear_caches()
+
+
 def warning_filters() -> list[tuple[str, str, str]]:
     """(action, message regex, category name) of setup.cfg's [tool:pytest] filterwarnings: one
     list, which pytest applies here and `run_multidevice` applies in its subprocess."""
