@@ -176,18 +176,6 @@ def copy_state(state):
 # ---- measuring ----------------------------------------------------------------------------------
 
 
-def host_memory_sharding():
-    """pinned_host of the default device where it exists (as the host pool uses), else None."""
-    device = jax.devices()[0]
-    try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except (AttributeError, NotImplementedError):
-        return None
-    if "pinned_host" not in kinds:
-        return None
-    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-
-
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
@@ -202,7 +190,7 @@ def time_op(call, base, nbytes: int, host_copy: str | None, repeats: int):
     first = call(copy_state(base))
     jax.block_until_ready(first)
     device = jax.devices()[0]
-    sharding_h = host_memory_sharding()
+    sharding_h = kq.host_sharding()
     x = jnp.ones((max(nbytes // 2, 1),), jnp.bfloat16)
     copy = jax.jit(jnp.copy)
     jax.block_until_ready(copy(x))
@@ -345,7 +333,7 @@ def run_model(model: str, opts: dict, on_point, result: dict | None = None) -> d
                   for p, (fmt, n, b) in enumerate(zip(config.pool_formats, config.pool_sizes,
                                                       config.pool_bytes))],
         "page_mib": page_bytes(config) / MiB,
-        "host_memory": "pinned_host" if host_memory_sharding() is not None else "device",
+        "host_memory": "pinned_host" if kq.host_sharding() is not None else "device",
         "setup_seconds": time.perf_counter() - t0,
     }
     on_point({"kind": "setup", **setup})

@@ -24,7 +24,7 @@ from kvquota.codes import (
 )
 from kvquota.hashing import group_salt, private_salt
 from kvquota.invariants import check_invariants
-from kvquota.pages import PoolPages
+from kvquota.pages import PoolPages, host_sharding
 from kvquota.sentinel import INVALID, is_invalid, is_valid
 from kvquota.state import (
     Blocks,

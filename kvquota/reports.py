@@ -77,8 +77,17 @@ class PinReport:
         return int(_blocks_to_bytes(self.blocks_returned, self.pool_bytes))
 
 
+class _HostUse:
+    """The host watermark alarm of a report carrying `host_blocks_used` (i32[], host pool blocks
+    held after the op) and the static `host_blocks` / `host_watermark` of its config."""
+
+    @property
+    def host_alarm(self) -> bool:
+        return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
+
+
 @struct.dataclass
-class FreeReport:
+class FreeReport(_HostUse):
     """What dropping references (free / release / unpin) gave back.
 
     `pool_bytes_returned` counts blocks that went back to a free list; `quota_bytes_released`
@@ -101,10 +110,6 @@ class FreeReport:
     host_watermark: float = struct.field(pytree_node=False, default=0.8)
 
     @property
-    def host_alarm(self) -> bool:
-        return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
-
-    @property
     def pool_bytes_returned(self) -> int:
         return int(_blocks_to_bytes(self.blocks_returned, self.pool_bytes))
 
@@ -122,7 +127,7 @@ class FreeReport:
 
 
 @struct.dataclass
-class MoveReport:
+class MoveReport(_HostUse):
     """What a lossless move between pools (offload to host, restore to device) did.
 
     `pool_bytes_returned` counts the source pool's blocks that went back to its free list;
@@ -159,13 +164,9 @@ class MoveReport:
     def transfer_seconds(self) -> float:
         return self.bytes_moved / self.host_bandwidth
 
-    @property
-    def host_alarm(self) -> bool:
-        return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
-
 
 @struct.dataclass
-class CompressReport:
+class CompressReport(_HostUse):
     """What a compression did: pool-0 bytes freed, compressed bytes now charged, the net device
     bytes returned. Always lossy: the compressed blocks' K/V are approximations from now on."""
 
@@ -179,10 +180,6 @@ class CompressReport:
     lossy: bool = struct.field(pytree_node=False, default=True)
     host_blocks: int = struct.field(pytree_node=False, default=0)
     host_watermark: float = struct.field(pytree_node=False, default=0.8)
-
-    @property
-    def host_alarm(self) -> bool:
-        return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
 
     @property
     def blocks_compressed(self) -> int:
@@ -202,7 +199,7 @@ class CompressReport:
 
 
 @struct.dataclass
-class EvictReport:
+class EvictReport(_HostUse):
     """What an eviction did: tokens gone for good per sequence (the context breaks there), the
     blocks copied on write (shared blocks are never altered under another sequence) and the
     blocks returned."""
@@ -218,10 +215,6 @@ class EvictReport:
     lossy: bool = struct.field(pytree_node=False, default=True)
     host_blocks: int = struct.field(pytree_node=False, default=0)
     host_watermark: float = struct.field(pytree_node=False, default=0.8)
-
-    @property
-    def host_alarm(self) -> bool:
-        return host_alarm(int(self.host_blocks_used), self.host_blocks, self.host_watermark)
 
     @property
     def pool_bytes_returned(self) -> int:

@@ -131,12 +131,11 @@ def move_sequences(config: StateConfig, state: KVState, seq_ids, src_pool: int, 
     valid = seq_ids >= 0
     state = state.update(seq_status=state.seqs.seq_status.at[
         oob(seq_ids, valid, config.max_seqs)].set(jnp.int8(status), mode="drop"))
-    used = config.pool_sizes[config.host_pool] - state.free.free_count[config.host_pool]
     report = MoveReport(
         moved_blocks=per_seq,
         blocks_returned=rep["blocks_returned"],
         quota_units_released=rep["quota_units_released"],
-        host_blocks_used=used.astype(jnp.int32),
+        host_blocks_used=rep["host_blocks_used"],
         src_pool=src_pool,
         dst_pool=dst_pool,
         pool_bytes=config.pool_bytes,
