@@ -53,8 +53,7 @@ class TierOps:
         """`_batch` for a move to or from the host pool, which must exist."""
         if self.config.host_pool is None:
             raise TierError(f"{what}: this config has no host pool (host_blocks=0)")
-        ids, real = self._batch(state, seq_ids, what, allowed)
-        return real, ids
+        return self._batch(state, seq_ids, what, allowed)
 
     def _own_blocks(self, state, real, pool):
         """Own blocks (ref 1, unpinned, paid by the sequence's tenant) of each real row in
@@ -68,7 +67,7 @@ class TierOps:
         stay on the device (the host pool holds full precision; a compressed block is small)."""
         self._check_state(state)
         c = self.config
-        real, rows = self._moves(state, seq_ids, "offload", (SEQ_RUNNING,))
+        rows, real = self._moves(state, seq_ids, "offload", (SEQ_RUNNING,))
         need = int(self._own_blocks(state, real, 0)[0].sum())
         room = int(np.asarray(state.free.free_count)[c.host_pool])
         if need > room:
@@ -80,7 +79,7 @@ class TierOps:
         Needs room in pool 0 and room under each tenant's byte quota for the restored blocks."""
         self._check_state(state)
         c = self.config
-        real, rows = self._moves(state, seq_ids, "restore", (SEQ_SUSPENDED,))
+        rows, real = self._moves(state, seq_ids, "restore", (SEQ_SUSPENDED,))
         per_row, ten = self._own_blocks(state, real, c.host_pool)
         room = int(np.asarray(state.free.free_count)[0])
         if int(per_row.sum()) > room:
