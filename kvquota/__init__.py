@@ -12,9 +12,19 @@ from kvquota.accounting import Footprint, KVLayout, tenant_footprint
 from kvquota.allocator import Allocator
 from kvquota.builder import SyntheticSpec, build_state
 from kvquota.codes import (
+    FATE_COMPRESSED,
+    FATE_EVICTED,
+    FATE_GROWING,
+    FATE_NAMES,
+    FATE_PREEMPTED,
+    FATE_RELEASED,
+    FATE_SUSPENDED,
+    FATE_UNTOUCHED,
     INT32_MAX,
     REASONS,
+    REFUSED_GROWING,
     SEQ_FREE,
+    SEQ_IDLE,
     SEQ_PREEMPTED,
     SEQ_RUNNING,
     SEQ_SUSPENDED,

@@ -169,5 +169,6 @@ def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
         byte_quota=np.full(ntn, INT32_MAX, np.int32),
         lease_expiry=np.full(ntn, INT32_MAX, np.int32), salt=salts,
         used_tokens=used_tokens, charged_blocks=charged, pinned_blocks=pinned,
+        growing=np.zeros(ntn, bool), preemptions=np.zeros(ntn, np.int32),
     )
     return KVState.from_fields(init_pages(c), **arrays)

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvquota.errors import InvariantError
 from kvquota.sentinel import INVALID
-from kvquota.codes import SEQ_FREE, SEQ_RUNNING, SEQ_SUSPENDED
+from kvquota.codes import SEQ_FREE, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING, SEQ_SUSPENDED
 from kvquota.hashing import block_hash, salt_root
 from kvquota.state import KVState, StateConfig, pool_of, validate_state
 
@@ -108,23 +108,27 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     # Sequences.
     status = st.seqs.seq_status
     _flag(problems, "unknown sequence status",
-          ~np.isin(status, [SEQ_FREE, SEQ_RUNNING, SEQ_SUSPENDED]))
+          ~np.isin(status, [SEQ_FREE, SEQ_RUNNING, SEQ_SUSPENDED, SEQ_IDLE, SEQ_PREEMPTED]))
     _flag(problems, "live sequence of an unregistered/invalid tenant",
           live & ~((st.seqs.seq_tenant >= 0) & (st.seqs.seq_tenant < ntn)
                    & st.tenants.registered[np.clip(st.seqs.seq_tenant, 0, ntn - 1)]))
     _flag(problems, "free sequence slot with data",
           ~live & ((st.seqs.seq_tenant != INVALID) | (st.seqs.seq_lens != 0) | (st.seqs.positions != 0)
                    | (st.seqs.block_tables != INVALID).any(1)))
+    holds = live & (status != SEQ_PREEMPTED)  # a preempted slot keeps only its tenant
     _flag(problems, "live sequence length outside [1, MB*P]",
-          live & ((st.seqs.seq_lens < 1) | (st.seqs.seq_lens > mb * p)))
+          holds & ((st.seqs.seq_lens < 1) | (st.seqs.seq_lens > mb * p)))
+    _flag(problems, "preempted slot with KV or a position",
+          (status == SEQ_PREEMPTED) & ((st.seqs.seq_lens != 0) | (st.seqs.positions != 0)
+                                       | (st.seqs.block_tables != INVALID).any(1)))
     _flag(problems, "logical position behind the cached length (only eviction separates them, "
           "and it only shrinks seq_lens)", live & (st.seqs.positions < st.seqs.seq_lens))
     tab_c = np.clip(tab, 0, nb - 1)
     host = -1 if config.host_pool is None else config.host_pool
     # (A suspended sequence may still hold pool-0 blocks: shared or pinned ones at offload, and
     # blocks that became its own later, when the other sequences sharing them were freed.)
-    _flag(problems, "running sequence with a block in the host pool",
-          (status == SEQ_RUNNING) & ((tab >= 0) & (pools[tab_c] == host)).any(1))
+    _flag(problems, "running or idle sequence with a block in the host pool",
+          np.isin(status, [SEQ_RUNNING, SEQ_IDLE]) & ((tab >= 0) & (pools[tab_c] == host)).any(1))
     nblk = (np.clip(st.seqs.seq_lens, 0, mb * p) + p - 1) // p
     k = np.arange(mb)[None, :]
     should = live[:, None] & (k < nblk[:, None])

@@ -257,6 +257,8 @@ class Ledger:
     fragmentation: jax.Array  # i32[T]  device slots charged to it minus tokens stored in them
     free_blocks: jax.Array  # i32[POOLS]
     pool_fragmentation: jax.Array  # i32[]  held device slots minus tokens stored in them
+    growing: jax.Array  # bool[T]  grow-no-admit flag set by a reclaim plan
+    preemptions: jax.Array  # i32[T]  sequences preempted so far
     pool_bytes: tuple = struct.field(pytree_node=False, default=())
     unit_bytes: int = struct.field(pytree_node=False, default=1)
     pool_sizes: tuple = struct.field(pytree_node=False, default=())
@@ -324,5 +326,7 @@ class Ledger:
                 "shared_bytes": int(self.shared_bytes[t]),
                 "reclaimable_bytes": int(self.reclaimable_bytes[t]),
                 "fragmentation_tokens": int(self.fragmentation[t]),
+                "preemptions": int(self.preemptions[t]),
+                "growing": bool(self.growing[t]),
             }
         return out

@@ -63,6 +63,10 @@ class StateConfig:
         next reclaim means, is gated on it).
       host_bandwidth: host <-> device copy bandwidth in bytes/s for the modelled transfer time
         of offload/restore (default 50 GB/s: PCIe Gen5 x16, effective).
+      keep_cold_blocks: full pool-0 blocks that lose their last reference stay in the prefix
+        cache as *cold* blocks (charged to no one, counted as free capacity, reused least
+        recently freed first), so a tenant's next turn can still hit them (vLLM, SGLang). Off:
+        freed blocks leave the cache at once, exactly as before.
     """
 
     model: ModelConfig
@@ -80,6 +84,7 @@ class StateConfig:
     hash_bits: int = 32
     host_watermark: float = 0.8
     host_bandwidth: float = 50e9
+    keep_cold_blocks: bool = False
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_seqs", "max_blocks_per_seq",
@@ -270,6 +275,9 @@ class Tenants:
     used_tokens: jax.Array  # i32[T]  sum of seq_lens over the tenant's sequences
     charged_blocks: jax.Array  # i32[T, POOLS]  blocks whose payer is the tenant
     pinned_blocks: jax.Array  # i32[T, POOLS]  charged blocks with pin_count > 0
+    growing: jax.Array  # bool[T]  "grow-no-admit" set by a reclaim plan: its sequences may append
+    #                     past the byte quota, its admissions are refused while it is over it
+    preemptions: jax.Array  # i32[T]  sequences of the tenant preempted so far
 
 
 _GROUPS = {"blocks": Blocks, "free": FreeLists, "seqs": Sequences, "tenants": Tenants}
@@ -363,6 +371,8 @@ def init_state(config: StateConfig) -> KVState:
         used_tokens=i32((t,)),
         charged_blocks=i32((t, npools)),
         pinned_blocks=i32((t, npools)),
+        growing=np.zeros((t,), bool),
+        preemptions=i32((t,)),
     )
 
 

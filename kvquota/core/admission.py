@@ -11,6 +11,7 @@ from jax import lax
 from kvquota.codes import (
     OK,
     REFUSED_BYTE_QUOTA,
+    REFUSED_GROWING,
     REFUSED_NO_SEQ_SLOT,
     REFUSED_POOL_FULL,
     REFUSED_SEQ_FULL,
@@ -31,7 +32,9 @@ def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, s
     """Sequential admission decisions over a batch: (ok bool[B], reason i32[B]).
 
     Row i is checked against the ledger as left by the accepted rows before it, in this order:
-    padding, table full, token quota, byte quota, pool 0 free blocks, sequence slots.
+    padding, table full, token quota, byte quota, pool 0 free blocks, sequence slots. A tenant
+    flagged `growing` (grow-no-admit) appends past its byte quota; its admissions and forks that
+    would go over are refused as REFUSED_GROWING.
     """
     unit0 = config.pool_units[0]
     slots0 = (state.seqs.seq_status == SEQ_FREE).sum().astype(jnp.int32)
@@ -40,13 +43,18 @@ def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, s
         free0, used, charged, slots = carry
         t, v, ntok, nblk, full = row
         tc = clip(t)
+        growing = state.tenants.growing[tc]
+        over_bytes = nblk * unit0 > state.tenants.byte_quota[tc] - charged[tc]
+        if not need_slot:  # appends of a growing tenant's survivors go past its byte quota
+            over_bytes = over_bytes & ~growing
         reason = jnp.where(
             ~v, SKIPPED_PADDING,
             jnp.where(full, REFUSED_SEQ_FULL,
             jnp.where(ntok > state.tenants.token_quota[tc] - used[tc], REFUSED_TOKEN_QUOTA,
-            jnp.where(nblk * unit0 > state.tenants.byte_quota[tc] - charged[tc], REFUSED_BYTE_QUOTA,
+            jnp.where(over_bytes & growing, REFUSED_GROWING,
+            jnp.where(over_bytes, REFUSED_BYTE_QUOTA,
             jnp.where(nblk > free0, REFUSED_POOL_FULL,
-            jnp.where(need_slot & (slots < 1), REFUSED_NO_SEQ_SLOT, OK))))))
+            jnp.where(need_slot & (slots < 1), REFUSED_NO_SEQ_SLOT, OK)))))))
         ok = reason == OK
         oki = ok.astype(jnp.int32)
         carry = (

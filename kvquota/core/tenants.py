@@ -21,6 +21,7 @@ def set_tenant(config: StateConfig, state: KVState, tenant, token_quota, byte_qu
         byte_quota=s.tenants.byte_quota.at[t].set(byte_quota_units),
         lease_expiry=s.tenants.lease_expiry.at[t].set(lease_expiry),
         salt=s.tenants.salt.at[t].set(salt),
+        growing=s.tenants.growing.at[t].set(False),  # a new quota supersedes grow-no-admit
     )
     report = TenantReport(
         tokens_over=jnp.maximum(state.tenants.used_tokens[t] - token_quota, 0),
@@ -75,6 +76,8 @@ def ledger(config: StateConfig, state: KVState) -> Ledger:
         fragmentation=frag,
         free_blocks=s.free.free_count,
         pool_fragmentation=slack.sum().astype(jnp.int32),
+        growing=s.tenants.growing,
+        preemptions=s.tenants.preemptions,
         pool_bytes=config.pool_bytes,
         unit_bytes=config.unit_bytes,
         pool_sizes=config.pool_sizes,

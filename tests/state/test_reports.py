@@ -144,16 +144,19 @@ def test_ledger_summary_in_plain_python_numbers():
             "charged_bytes": 3 * BLOCK, "device_bytes": 3 * BLOCK, "host_bytes": 0,
             "pinned_bytes": BLOCK, "shared_bytes": 0,
             # reclaimable: charged, unpinned, referenced only by t0 -> block 2 (1 is t1's too)
-            "reclaimable_bytes": BLOCK, "fragmentation_tokens": 1},
+            "reclaimable_bytes": BLOCK, "fragmentation_tokens": 1, "preemptions": 0,
+            "growing": False},
         1: {"used_tokens": 6, "token_quota": 30, "byte_quota": 4 * BLOCK,
             "charged_bytes": BLOCK, "device_bytes": BLOCK, "host_bytes": 0,
             "pinned_bytes": 0, "shared_bytes": 2 * BLOCK,
-            "reclaimable_bytes": BLOCK, "fragmentation_tokens": 0},
+            "reclaimable_bytes": BLOCK, "fragmentation_tokens": 0, "preemptions": 0,
+            "growing": False},
     }
     summary = led.summary()
     assert summary == want
     assert led.summary(1) == {1: want[1]}
-    assert all(type(v) is int for row in summary.values() for v in row.values())
+    assert all(type(v) is (bool if k == "growing" else int)
+               for row in summary.values() for k, v in row.items())
     assert json.loads(json.dumps(summary)) == {str(t): row for t, row in want.items()}
     assert _ints(led.byte_quota) == [5 * BLOCK, 4 * BLOCK]
     assert _ints(led.bytes("charged_blocks")) == [3 * BLOCK, BLOCK]
