@@ -165,6 +165,7 @@ def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
         attn_mass=np.zeros((nb, p), np.float32),
         free_list=free_list, free_count=free_count, block_tables=tables, seq_lens=seq_lens,
         positions=seq_lens.copy(), seq_tenant=seq_tenant, seq_status=status,
+        birth=np.arange(len(seq_lens), dtype=np.int32), births=np.int32(len(seq_lens)),
         registered=np.ones(ntn, bool), token_quota=np.full(ntn, INT32_MAX, np.int32),
         byte_quota=np.full(ntn, INT32_MAX, np.int32),
         lease_expiry=np.full(ntn, INT32_MAX, np.int32), salt=salts,

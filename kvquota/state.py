@@ -261,6 +261,9 @@ class Sequences:
     positions: jax.Array  # i32[S]  logical (RoPE) position of the next token
     seq_tenant: jax.Array  # i32[S]  owning tenant; INVALID for a free slot
     seq_status: jax.Array  # i8[S]  kvquota.codes SEQ_FREE / SEQ_RUNNING / ...
+    birth: jax.Array  # i32[S]  admission order stamp of the slot's sequence (reclaim's "newest
+    #                  first" victim order); stale once the slot is free
+    births: jax.Array  # i32[]  sequences admitted or forked so far: the next stamp
 
 
 @struct.dataclass
@@ -363,6 +366,8 @@ def init_state(config: StateConfig) -> KVState:
         positions=i32((s,)),
         seq_tenant=i32((s,), INVALID),
         seq_status=np.zeros((s,), np.int8),
+        birth=i32((s,)),
+        births=np.int32(0),
         registered=np.zeros((t,), bool),
         token_quota=i32((t,)),
         byte_quota=i32((t,)),

@@ -164,6 +164,9 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         seq_tenant=s.seqs.seq_tenant.at[oob(slot, ok, config.max_seqs)].set(tenants, mode="drop"),
         seq_status=s.seqs.seq_status.at[oob(slot, ok, config.max_seqs)].set(
             jnp.int8(SEQ_RUNNING), mode="drop"),
+        birth=s.seqs.birth.at[oob(slot, ok, config.max_seqs)].set(
+            s.seqs.births + jnp.cumsum(ok.astype(jnp.int32)) - 1, mode="drop"),
+        births=s.seqs.births + ok.sum().astype(jnp.int32),
         used_tokens=s.tenants.used_tokens.at[oob(tc, ok, config.num_tenants)].add(lengths, mode="drop"),
         charged_blocks=s.tenants.charged_blocks.at[oob(tc, ok, config.num_tenants), 0].add(
             nnew, mode="drop"),
@@ -299,6 +302,9 @@ def fork(config: StateConfig, state: KVState, seq_ids):
         positions=s.seqs.positions.at[oob(slot, ok, ns)].set(s.seqs.positions[sc], mode="drop"),
         seq_tenant=s.seqs.seq_tenant.at[oob(slot, ok, ns)].set(t, mode="drop"),
         seq_status=s.seqs.seq_status.at[oob(slot, ok, ns)].set(jnp.int8(SEQ_RUNNING), mode="drop"),
+        birth=s.seqs.birth.at[oob(slot, ok, config.max_seqs)].set(
+            s.seqs.births + jnp.cumsum(ok.astype(jnp.int32)) - 1, mode="drop"),
+        births=s.seqs.births + ok.sum().astype(jnp.int32),
         used_tokens=s.tenants.used_tokens.at[oob(tc, ok, config.num_tenants)].add(length, mode="drop"),
         charged_blocks=s.tenants.charged_blocks.at[oob(tc, alloc, config.num_tenants), 0].add(
             1, mode="drop"),
