@@ -48,11 +48,12 @@ from kvquota.sentinel import INVALID
 from kvquota.codes import INT32_MAX, SEQ_RUNNING, SEQ_SUSPENDED, STATUS_NAMES
 from kvquota.hashing import group_salt, private_salt
 from kvquota.state import KVState, StateConfig, init_state, validate_state
+from kvquota.reclaim.ops import ReclaimOps
 from kvquota.tiering import TierOps
 from kvquota.validation import bucket, int_array, int_scalar, pad
 
 
-class Allocator(TierOps):
+class Allocator(TierOps, ReclaimOps):
     """Validating facade of the paged KV state for one static `StateConfig`."""
 
     def __init__(self, config: StateConfig):
