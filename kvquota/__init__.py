@@ -78,6 +78,7 @@ from kvquota.errors import (
     InvalidArgumentError,
     InvariantError,
     KVQuotaError,
+    PlanMismatchError,
     PoolFullError,
     QuotaExceededError,
     QuotaValueError,

@@ -36,6 +36,7 @@ from kvquota.errors import (
     DuplicateIdError,
     InputDtypeError,
     InputShapeError,
+    InvalidArgumentError,
     QuotaValueError,
     SequenceTooLongError,
     TenantExistsError,
@@ -45,7 +46,8 @@ from kvquota.errors import (
 )
 from kvquota.invariants import check_invariants
 from kvquota.sentinel import INVALID
-from kvquota.codes import INT32_MAX, SEQ_RUNNING, SEQ_SUSPENDED, STATUS_NAMES
+from kvquota.codes import (INT32_MAX, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING, SEQ_SUSPENDED,
+                           STATUS_NAMES)
 from kvquota.hashing import group_salt, private_salt
 from kvquota.state import KVState, StateConfig, init_state, validate_state
 from kvquota.reclaim.ops import ReclaimOps
@@ -328,7 +330,7 @@ class Allocator(TierOps, ReclaimOps):
         if ids.size == 0:
             raise InputShapeError("seq_ids must have at least one row")
         real = self._running(state, ids, "free", error=DoubleFreeError,
-                             allowed=(SEQ_RUNNING, SEQ_SUSPENDED))
+                             allowed=(SEQ_RUNNING, SEQ_SUSPENDED, SEQ_IDLE, SEQ_PREEMPTED))
         if len(np.unique(real)) != len(real):
             raise DoubleFreeError("free: a sequence appears twice in one call")
         ten = np.asarray(state.seqs.seq_tenant)[real]
@@ -358,6 +360,31 @@ class Allocator(TierOps, ReclaimOps):
         t, rows, heirs, slots = self.release_plan(state, tenant, unpin)
         return core.run("drop", self.config, state, rows, heirs, np.int32(t) if slots else None,
                         slots, donate=donate)
+
+    # ---- cold cached blocks ----------------------------------------------------------------
+    def allocatable_blocks(self, state) -> np.ndarray:
+        """i32[POOLS]: blocks an allocation may take from each pool now: its free list, plus
+        pool 0's cold cached blocks (`keep_cold_blocks`: free capacity that is still cache).
+        Every room check of the facade counts with it."""
+        self._check_state(state)
+        return core.allocatable(self.config, jax.device_get(state), xp=np)
+
+    def drop_cold(self, state, max_blocks: Optional[int] = None, *, donate=False
+                  ) -> tuple[KVState, core.ColdReport]:
+        """Push up to `max_blocks` (None: all) cold cached blocks, least recently cold first,
+        onto pool 0's free list, clearing their prefix-cache entries (rebalance: "drop cold
+        cache LRU"). Allocatable capacity is unchanged; without keep_cold_blocks nothing is
+        cold and nothing changes."""
+        self._check_state(state)
+        cold = int(np.asarray(state.free.cold_count))
+        n = cold
+        if max_blocks is not None:
+            m = int_scalar("max_blocks", max_blocks, InvalidArgumentError)
+            if m < 0:
+                raise InvalidArgumentError(f"max_blocks must be >= 0, got {m}")
+            n = min(m, cold)
+        slots = min(bucket(n), self.config.num_blocks)
+        return core.run("drop_cold", self.config, state, np.int32(n), slots, donate=donate)
 
     # ---- attention statistics --------------------------------------------------------------
     def record_attention(self, state, seq_ids, mass, *, donate=False) -> tuple[KVState, None]:

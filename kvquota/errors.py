@@ -84,6 +84,10 @@ class InvalidArgumentError(KVQuotaError):
     """An option of an operation is outside its range (keep_recent < 0, an unknown policy)."""
 
 
+class PlanMismatchError(KVQuotaError):
+    """A reclaim plan applied to a state other than the one it was made for."""
+
+
 class InvariantError(KVQuotaError):
     """`check_invariants` found state that disagrees with its recomputation from the tables."""
 

@@ -127,6 +127,25 @@ class FreeReport(_HostUse):
 
 
 @struct.dataclass
+class PreemptReport:
+    """What a preemption archived (per row of the batch) and what dropping the KV gave back."""
+
+    seq_ids: jax.Array  # i32[B]  the preempted slots (INVALID = padding)
+    tenants: jax.Array  # i32[B]
+    lengths: jax.Array  # i32[B]  cached tokens dropped
+    positions: jax.Array  # i32[B]  logical position of the next token (RoPE)
+    token_ids: jax.Array  # i32[B, MB * P]  cached token ids in cache order; INVALID past length
+    free: FreeReport  # the references dropped
+
+    def archives(self) -> list[tuple[int, int, np.ndarray, int]]:
+        """(seq, tenant, token ids, position) of each real row, on the host."""
+        ids, ten, lens, pos, tok = jax.device_get(
+            (self.seq_ids, self.tenants, self.lengths, self.positions, self.token_ids))
+        return [(int(ids[i]), int(ten[i]), np.asarray(tok[i, :lens[i]]), int(pos[i]))
+                for i in range(len(ids)) if ids[i] >= 0]
+
+
+@struct.dataclass
 class MoveReport(_HostUse):
     """What a lossless move between pools (offload to host, restore to device) did.
 

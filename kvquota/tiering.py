@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvquota import core
-from kvquota.codes import SEQ_RUNNING, SEQ_SUSPENDED
+from kvquota.codes import SEQ_IDLE, SEQ_RUNNING, SEQ_SUSPENDED
 from kvquota.errors import (
     DuplicateIdError,
     InputShapeError,
@@ -35,8 +35,8 @@ COMPRESS_ORDERS = ("oldest", "coldest")
 
 
 class TierOps:
-    """offload / restore / compress / evict; `self.config`, `_check_state`, `_running` and
-    `_heir_rows` come from the Allocator."""
+    """offload / restore / compress / evict; `self.config`, `_check_state`, `_running`,
+    `_heir_rows` and `allocatable_blocks` (every room check) come from the Allocator."""
 
     def _batch(self, state, seq_ids, what, allowed):
         """(validated input rows i32[B], their real ids): every real id in range, in an
@@ -67,9 +67,9 @@ class TierOps:
         stay on the device (the host pool holds full precision; a compressed block is small)."""
         self._check_state(state)
         c = self.config
-        rows, real = self._moves(state, seq_ids, "offload", (SEQ_RUNNING,))
+        rows, real = self._moves(state, seq_ids, "offload", (SEQ_RUNNING, SEQ_IDLE))
         need = int(self._own_blocks(state, real, 0)[0].sum())
-        room = int(np.asarray(state.free.free_count)[c.host_pool])
+        room = int(self.allocatable_blocks(state)[c.host_pool])
         if need > room:
             raise PoolFullError(f"offload: {need} blocks to move, the host pool has {room} free")
         return core.run("offload", c, state, rows, donate=donate)
@@ -81,7 +81,7 @@ class TierOps:
         c = self.config
         rows, real = self._moves(state, seq_ids, "restore", (SEQ_SUSPENDED,))
         per_row, ten = self._own_blocks(state, real, c.host_pool)
-        room = int(np.asarray(state.free.free_count)[0])
+        room = int(self.allocatable_blocks(state)[0])
         if int(per_row.sum()) > room:
             raise PoolFullError(f"restore: {int(per_row.sum())} blocks to bring back, pool 0 has "
                                 f"{room} free")
@@ -119,7 +119,7 @@ class TierOps:
             "max_blocks", max_blocks, InvalidArgumentError)
         if limit < 0:
             raise InvalidArgumentError(f"max_blocks must be >= 0, got {limit}")
-        ids, real = self._batch(state, seq_ids, "compress", (SEQ_RUNNING,))
+        ids, real = self._batch(state, seq_ids, "compress", (SEQ_RUNNING, SEQ_IDLE))
         if policy == "coldest":
             tables = np.maximum(np.asarray(state.seqs.block_tables)[np.maximum(ids, 0)], 0)
             scores = np.asarray(state.blocks.attn_mass[tables].sum(-1), np.float32)
@@ -129,7 +129,7 @@ class TierOps:
         limits = np.full(ids.size, limit, np.int32)
         args = (ids, scores, limits, np.int32(keep))
         need = int(core.compress_count(c, state, *args))
-        room = int(np.asarray(state.free.free_count)[pool])
+        room = int(self.allocatable_blocks(state)[pool])
         if need > room:
             raise PoolFullError(f"compress: {need} blocks to compress, the {kv_format} pool has "
                                 f"{room} free")
@@ -149,7 +149,7 @@ class TierOps:
         self._check_state(state)
         c = self.config
         pol = get_policy(policy, **options)
-        ids, real = self._batch(state, seq_ids, "evict", (SEQ_RUNNING,))
+        ids, real = self._batch(state, seq_ids, "evict", (SEQ_RUNNING, SEQ_IDLE))
         keep = int_scalar("keep_tokens", keep_tokens, InvalidArgumentError)
         if keep < 1:  # a running sequence holds at least one token (free it instead)
             raise InvalidArgumentError(f"keep_tokens must be >= 1, got {keep}")
@@ -172,7 +172,7 @@ class TierOps:
             if bool(outside):
                 raise TierError("evict: a shared or pinned compressed block would need a copy "
                                 "on write; copies are made in pool 0 only")
-        room = int(np.asarray(state.free.free_count)[0])
+        room = int(self.allocatable_blocks(state)[0])
         if need > room:
             raise PoolFullError(f"evict: {need} blocks needed for copies on write, pool 0 has "
                                 f"{room} free")

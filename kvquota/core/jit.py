@@ -12,7 +12,8 @@ import functools
 
 import jax
 
-from kvquota.core import admission, compress, evict, pins, release, statistics, tenants, tiers
+from kvquota.core import (admission, cold, compress, evict, lifecycle, pins, release,
+                          statistics, tenants, tiers)
 
 # name -> (core, static argument positions besides the config at 0)
 _CORES = {
@@ -29,6 +30,11 @@ _CORES = {
     "compress": (compress.compress, (6,)),
     "evict_tokens": (evict.evict_tokens, ()),
     "evict_blocks": (evict.evict_blocks, ()),  # the target pool fixes its page layout
+    "drop_cold": (cold.drop_cold, (3,)),  # slots sizes the top-k
+    "set_status": (lifecycle.set_status, ()),
+    "preempt": (lifecycle.preempt, ()),
+    "recycle": (lifecycle.recycle, ()),
+    "set_growing": (lifecycle.set_growing, ()),
 }
 
 

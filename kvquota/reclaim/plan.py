@@ -48,8 +48,9 @@ class ReclaimRequest:
 
 
 # Means, in the tiered order of DESIGN.md §1.4. A policy lists the ones it uses, in its order.
+# (Cold cached blocks are charged to no one and already count as free capacity, so they are no
+# means toward a target; `rebalance` drops them when asked.)
 MEANS = (
-    "drop_cold",  # cold cached blocks (charged to no one) leave the prefix cache
     "drop_idle",  # IDLE sessions of inactive tenants: KV dropped (preempted: replay on resume)
     "offload_idle",  # IDLE sessions' own blocks to host (suspended)
     "suspend_running",  # RUNNING sequences' own blocks to host (suspended)
@@ -78,14 +79,15 @@ class ReclaimPolicy:
         rest (DESIGN.md §1.4); False compresses whenever the step is reached.
       evict_policy: eviction scorer name (kvquota.policies) for the evict step.
       evict_keep_tokens: tokens each evicted sequence keeps (whole blocks, at least one).
-      grow_no_admit: take nothing; the tenant keeps decoding past the cut while its admissions
-        are refused (REFUSED_GROWING) until it is under its quota again.
+      grow_no_admit: take nothing; after a quota cut the tenant keeps decoding past it while its
+        admissions are refused (REFUSED_GROWING) until it is under its quota again (for other
+        requests the whole target is a shortfall).
       rebalance: end with a rebalance step (recycle preempted slots, make capacity allocatable).
     """
 
     name: str = "tiered"
-    means: tuple[str, ...] = ("drop_cold", "drop_idle", "offload_idle", "suspend_running",
-                              "compress", "preempt", "evict")
+    means: tuple[str, ...] = ("drop_idle", "offload_idle", "suspend_running", "compress",
+                              "preempt", "evict")
     allow_evict: bool = False
     take_all: bool = False
     victim_order: str = "newest"
@@ -114,10 +116,10 @@ class ReclaimPolicy:
 PRESETS = {
     "tiered": ReclaimPolicy(),
     # vLLM V1: no swapping; requests are dropped and recomputed when they come back.
-    "preempt-all": ReclaimPolicy(name="preempt-all", means=("drop_cold", "preempt"), take_all=True),
-    "swap-all": ReclaimPolicy(name="swap-all", means=("drop_cold", "offload_idle",
-                                                      "suspend_running"), take_all=True),
-    "evict-first": ReclaimPolicy(name="evict-first", means=("drop_cold", "evict", "preempt"),
+    "preempt-all": ReclaimPolicy(name="preempt-all", means=("preempt",), take_all=True),
+    "swap-all": ReclaimPolicy(name="swap-all", means=("offload_idle", "suspend_running"),
+                              take_all=True),
+    "evict-first": ReclaimPolicy(name="evict-first", means=("evict", "preempt"),
                                  allow_evict=True),
     "grow-no-admit": ReclaimPolicy(name="grow-no-admit", means=(), grow_no_admit=True,
                                    rebalance=False),

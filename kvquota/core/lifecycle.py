@@ -1,0 +1,64 @@
+"""Session lifecycle cores: idle <-> running, preemption (KV dropped, tokens archived, slot held),
+slot recycling, and the grow-no-admit flag."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kvquota.codes import SEQ_FREE, SEQ_PREEMPTED
+from kvquota.core.release import drop_sequences
+from kvquota.core.scatter import clip, oob
+from kvquota.reports import PreemptReport
+from kvquota.sentinel import INVALID
+
+
+def set_status(config, state, seq_ids, status):
+    """Set the status (traced i8 scalar) of `seq_ids` (i32[B], INVALID = padding)."""
+    rows = oob(seq_ids, seq_ids >= 0, config.max_seqs)
+    return state.update(seq_status=state.seqs.seq_status.at[rows].set(
+        status.astype(jnp.int8), mode="drop")), None
+
+
+def preempt(config, state, seq_rows, heir_rows):
+    """Preempt `seq_rows` (i32[K], unique, INVALID = padding): archive each one's cached token
+    ids (cache order) and logical position, drop its references like `free`, and keep the slot
+    as PREEMPTED with its tenant (counted in the tenant's `preemptions`) until recycled."""
+    p, mb, ns, ntn = config.block_size, config.max_blocks_per_seq, config.max_seqs, config.num_tenants
+    valid = seq_rows >= 0
+    rc = clip(seq_rows)
+    ten = jnp.where(valid, state.seqs.seq_tenant[rc], INVALID)
+    table = jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID)
+    lens = jnp.where(valid, state.seqs.seq_lens[rc], 0)
+    ids = state.blocks.token_ids[clip(table)].reshape(seq_rows.shape[0], mb * p)
+    fill = jnp.where(table >= 0, state.blocks.fill[clip(table)], 0)
+    # Cache order: block by block, each block's first `fill` slots (a token-evicted sequence
+    # is packed, so this is its cache index order too).
+    slot = jnp.arange(p)[None, None, :] < fill[:, :, None]
+    order = jnp.argsort(~slot.reshape(seq_rows.shape[0], mb * p), axis=1, stable=True)
+    archived = jnp.take_along_axis(ids, order, axis=1)
+    archived = jnp.where(jnp.arange(mb * p)[None, :] < lens[:, None], archived, INVALID)
+    position = jnp.where(valid, state.seqs.positions[rc], 0)
+    state, free = drop_sequences(config, state, seq_rows, heir_rows)
+    rows = oob(seq_rows, valid, ns)
+    state = state.update(
+        seq_status=state.seqs.seq_status.at[rows].set(jnp.int8(SEQ_PREEMPTED), mode="drop"),
+        seq_tenant=state.seqs.seq_tenant.at[rows].set(ten, mode="drop"),
+        preemptions=state.tenants.preemptions.at[oob(ten, valid, ntn)].add(1, mode="drop"),
+    )
+    return state, PreemptReport(seq_ids=seq_rows, tenants=ten, lengths=lens, positions=position,
+                                token_ids=archived, free=free)
+
+
+def recycle(config, state, seq_ids):
+    """Return PREEMPTED slots `seq_ids` (i32[B], INVALID = padding) to the free slots."""
+    rows = oob(seq_ids, seq_ids >= 0, config.max_seqs)
+    return state.update(
+        seq_status=state.seqs.seq_status.at[rows].set(jnp.int8(SEQ_FREE), mode="drop"),
+        seq_tenant=state.seqs.seq_tenant.at[rows].set(INVALID, mode="drop"),
+    ), None
+
+
+def set_growing(config, state, tenant, growing):
+    """Set tenant's grow-no-admit flag (traced scalars)."""
+    return state.update(growing=state.tenants.growing.at[tenant].set(growing)), None
+

@@ -1,0 +1,279 @@
+"""plan_reclaim: turn a request and a policy into an ordered, exact plan.
+
+Greedy over the policy's means in order: each step takes the victims' eligible sequences in the
+policy's victim order, one at a time, until the target is met (or all of them under
+`take_all`), and is then re-simulated as the one batched call apply_plan will make, so its bytes
+are those of that call. Every victim sequence ends with one fate. Progress is counted in the
+unit the request asks for: device quota bytes released by the victims (quota cut, lease expiry)
+or pool-0 bytes made allocatable (make room).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types
+
+import jax
+import numpy as np
+
+from kvquota.codes import (
+    FATE_COMPRESSED,
+    FATE_EVICTED,
+    FATE_GROWING,
+    FATE_PREEMPTED,
+    FATE_RELEASED,
+    FATE_SUSPENDED,
+    FATE_UNTOUCHED,
+    SEQ_IDLE,
+    SEQ_RUNNING,
+)
+from kvquota.reclaim.plan import PlanStep, SeqFate
+from kvquota.reclaim.simulate import HostModel
+
+_FATE_OF = {"drop_idle": FATE_PREEMPTED, "preempt": FATE_PREEMPTED, "offload_idle": FATE_SUSPENDED,
+            "suspend_running": FATE_SUSPENDED, "compress": FATE_COMPRESSED,
+            "evict": FATE_EVICTED, "release": FATE_RELEASED}
+
+
+def host_view(state):
+    """The metadata a plan reads, on the host (no pages, no per-token arrays)."""
+    b, s, t = state.blocks, state.seqs, state.tenants
+    got = jax.device_get(dict(
+        ref_count=b.ref_count, pin_count=b.pin_count, payer=b.payer, payer_refs=b.payer_refs,
+        fill=b.fill, hashed=b.hashed, block_tables=s.block_tables, seq_lens=s.seq_lens,
+        seq_tenant=s.seq_tenant, seq_status=s.seq_status, birth=s.birth,
+        registered=t.registered, byte_quota=t.byte_quota, lease_expiry=t.lease_expiry,
+        salt=t.salt, charged_blocks=t.charged_blocks, pinned_blocks=t.pinned_blocks,
+        free_count=state.free.free_count))
+    ns = types.SimpleNamespace
+    return ns(blocks=ns(**{k: got[k] for k in ("ref_count", "pin_count", "payer", "payer_refs",
+                                               "fill", "hashed")}),
+              seqs=ns(**{k: got[k] for k in ("block_tables", "seq_lens", "seq_tenant",
+                                             "seq_status", "birth")}),
+              tenants=ns(**{k: got[k] for k in ("registered", "byte_quota", "lease_expiry",
+                                                "salt", "charged_blocks", "pinned_blocks")}),
+              free=ns(free_count=got["free_count"]))
+
+
+def fingerprint(host, capacity) -> str:
+    """Identifies the metadata a plan was made from (tables, statuses, charges, pins, free)."""
+    h = hashlib.blake2b(digest_size=16)
+    for a in (host.seqs.block_tables, host.seqs.seq_lens, host.seqs.seq_tenant,
+              host.seqs.seq_status, host.tenants.charged_blocks, host.tenants.pinned_blocks,
+              host.tenants.byte_quota, host.blocks.ref_count, host.blocks.pin_count, capacity):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+class Planner:
+    """One plan: the model, the victims, the target, and the steps taken so far."""
+
+    def __init__(self, config, host, capacity, request, policy, victims, target_units, now,
+                 evict_masks):
+        self.c, self.host, self.request, self.policy = config, host, request, policy
+        self.m = HostModel(config, host)
+        self.m.free[:] = capacity  # allocatable capacity (free stacks + cold blocks)
+        self.victims = victims
+        self.target = target_units
+        self.now = now
+        self.evict_masks = evict_masks  # row -> bool[MB] kept blocks (the policy's choice)
+        s = host.seqs
+        mine = np.isin(s.seq_tenant, victims) & (s.seq_status != 0)
+        self.rows = [int(r) for r in self._order(np.flatnonzero(mine))]
+        self.fate = {r: FATE_UNTOUCHED for r in self.rows}
+        self.moved = {}  # row -> blocks moved to host
+        self.steps: list[PlanStep] = []
+
+    def _order(self, rows):
+        p, s = self.policy, self.host.seqs
+        if p.victim_order == "newest":
+            key = -s.birth[rows].astype(np.int64)
+        elif p.victim_order == "largest":
+            key = -s.seq_lens[rows].astype(np.int64)
+        else:
+            prio = dict(p.priorities)
+            key = np.array([prio.get(int(r), 0) for r in rows], np.int64)
+        return rows[np.argsort(key, kind="stable")]
+
+    def progress(self) -> int:
+        """Units gained so far toward the target."""
+        if self.request.kind == "make_room":
+            return self.m.pool0_free() - self.start_free
+        return self.start_units - self.m.device_units(self.victims)
+
+    def done(self) -> bool:
+        return not self.policy.take_all and self.progress() >= self.target
+
+    def candidates(self, means):
+        status, ten = self.host.seqs.seq_status, self.host.seqs.seq_tenant
+        free = [r for r in self.rows if self.fate[r] == FATE_UNTOUCHED]
+        if means == "drop_idle":
+            running = set(ten[status == SEQ_RUNNING].tolist())
+            lease = self.host.tenants.lease_expiry
+            inactive = {t for t in self.victims if t not in running
+                        or (self.now is not None and lease[t] <= self.now)}
+            return [r for r in free if status[r] == SEQ_IDLE and ten[r] in inactive]
+        if means == "offload_idle":
+            return [r for r in free if status[r] == SEQ_IDLE]
+        if means == "suspend_running":
+            return [r for r in free if status[r] == SEQ_RUNNING]
+        return [r for r in free if status[r] in (SEQ_RUNNING, SEQ_IDLE)]
+
+    # ---- one step --------------------------------------------------------------------------
+    def run_step(self, means):
+        """Take rows for `means` until the target is met; record the step(s) apply will run."""
+        if means == "evict" and not self.policy.allow_evict:
+            return
+        if means == "compress" and not self._compress_gate_open():
+            return
+        taken = []
+        for r in self.candidates(means):
+            if self.done():
+                break
+            if self._apply(means, r):
+                taken.append(r)
+                if means == "evict":  # one call per row: the core judges own blocks per call
+                    self.add_step(means, [r])
+        if taken and means != "evict":
+            if means in ("drop_idle", "preempt"):  # the batch settles differently: redo it so
+                self.m = self.snapshot.copy()       # the step's figures are the call's
+                self.m.drop(taken, victims=self.victims)
+            self.add_step(means, taken)
+
+    def _apply(self, means, r) -> bool:
+        """Apply `means` to row r in the model; False (model unchanged) when it cannot."""
+        m, c = self.m, self.c
+        if means in ("drop_idle", "preempt"):
+            m.drop([r], victims=self.victims)
+        elif means in ("offload_idle", "suspend_running"):
+            if c.host_pool is None:
+                return False
+            pos = m.own(r, 0)
+            if len(pos) > m.free[c.host_pool]:
+                self.host_short = True
+                return False
+            self.moved[r] = len(pos)
+            m.move(r, pos, c.host_pool)
+        elif means == "compress":
+            pool = self.compress_pool
+            pos = m.own(r, 0)
+            lens = self.host.seqs.seq_lens[r]
+            full = m.fill[m.tables[r, pos]] == c.block_size
+            cold = (pos + 1) * c.block_size <= lens - self.policy.compress_keep_recent
+            pos = pos[full & cold]
+            if not len(pos) or len(pos) > m.free[pool]:
+                return False
+            m.move(r, pos, pool)
+        elif means == "evict":
+            keep = self.evict_masks.get(r)
+            if keep is None:
+                return False
+            e = m.tables[r]
+            live = e >= 0
+            ec = np.where(live, e, 0)
+            dropped = live & ~keep
+            if not dropped.any():
+                return False
+            first = int(np.argmax(dropped))
+            own = (m.ref[ec] == 1) & (m.pin[ec] == 0) & (m.payer[ec] == m.ten[r])
+            fresh = keep & live & (np.arange(len(e)) >= first) & ~own
+            if fresh.sum() > m.free[0] or (fresh & (m.pool[ec] != 0)).any():
+                return False
+            m.copy_on_write(r, int(fresh.sum()))
+            m.drop([], entries=[(r, np.flatnonzero(dropped | fresh))], victims=self.victims)
+        else:
+            raise AssertionError(means)
+        self.fate[r] = _FATE_OF[means]
+        return True
+
+    def _compress_gate_open(self) -> bool:
+        c = self.c
+        if not c.compressed_pools:
+            return False
+        if not self.policy.compress_gated or c.host_pool is None or self.host_short:
+            return True
+        used = c.pool_sizes[c.host_pool] - self.m.free[c.host_pool]
+        return used >= c.host_watermark * c.pool_sizes[c.host_pool]
+
+    def add_step(self, means, rows):
+        """Record a step from the model's change since the last one."""
+        m, c, before = self.m, self.c, self.snapshot
+        units = np.asarray(c.pool_units, np.int64)
+        dev = np.asarray(c.device_pools)
+        vict = list(self.victims)
+        quota = int(((before.charged[vict] - m.charged[vict]) * (units * dev)).sum())
+        pool_gain = ((m.free - before.free) * units * dev).sum()
+        host_units = 0 if c.host_pool is None else int(before.free[c.host_pool]
+                                                       - m.free[c.host_pool]) * units[-1]
+        delta = (before.charged[vict] - m.charged[vict]).sum(axis=0)
+        per_seq = tuple((int(r), int(self.moved.get(r, 0))) for r in rows)
+        self.steps.append(PlanStep(
+            means=means, seqs=tuple(int(r) for r in rows), blocks=int(np.abs(delta[0])),
+            quota_bytes=quota * c.unit_bytes, pool_bytes=int(pool_gain) * c.unit_bytes,
+            host_bytes=max(int(host_units), 0) * c.unit_bytes, per_seq=per_seq))
+        self.snapshot = m.copy()
+
+    # ---- the whole plan --------------------------------------------------------------------
+    def plan(self) -> tuple:
+        self.start_units = self.m.device_units(self.victims)
+        self.start_free = self.m.pool0_free()
+        self.host_short = False
+        self.compress_pool = None
+        if self.c.compressed_pools:
+            names = [n for n, _ in self.c.compressed_pools]
+            fmt = self.policy.compress_format or names[0]
+            self.compress_pool = 1 + names.index(fmt)
+        self.snapshot = self.m.copy()
+        if self.request.kind == "lease_expiry":
+            t = self.victims[0]
+            self.m.drop(self.rows, unpin_tenant=t, victims=self.victims)
+            for r in self.rows:
+                self.fate[r] = FATE_RELEASED
+            self.add_step("release", list(self.rows))
+        elif self.policy.grow_no_admit:  # takes nothing; a quota cut's survivors grow
+            for r in self.rows if self.request.kind == "quota_cut" else ():
+                if self.host.seqs.seq_status[r] == SEQ_RUNNING:
+                    self.fate[r] = FATE_GROWING
+        else:
+            for means in self.policy.means:
+                if self.done():
+                    break
+                self.run_step(means)
+        return self.steps, self.fates()
+
+    def fates(self) -> tuple[SeqFate, ...]:
+        c, s = self.c, self.host.seqs
+        out = []
+        for r in sorted(self.rows):
+            f = self.fate[r]
+            tokens = int(s.seq_lens[r])
+            resume_tokens = resume_bytes = 0
+            if f == FATE_PREEMPTED:
+                table = s.block_tables[r]
+                usable = max(tokens - 1, 0) // c.block_size  # the last token is recomputed
+                blocks = table[:usable]
+                ok = self.m.still_cached(blocks) if len(blocks) else np.zeros(0, bool)
+                hits = int(np.argmin(ok)) if not ok.all() else len(ok)
+                resume_tokens = tokens - hits * c.block_size
+            elif f == FATE_SUSPENDED:
+                resume_bytes = self.moved.get(r, 0) * c.pool_bytes[c.host_pool]
+            out.append(SeqFate(seq=r, tenant=int(s.seq_tenant[r]), fate=f, tokens=tokens,
+                               resume_tokens=resume_tokens, resume_bytes=resume_bytes,
+                               resume_seconds=resume_bytes / c.host_bandwidth))
+        return tuple(out)
+
+    def held(self) -> tuple[int, int]:
+        """(bytes pins hold, bytes others hold) of the victims after the plan, on device."""
+        c, m = self.c, self.m
+        dev_pool = np.asarray(c.device_pools)[m.pool]
+        victim = np.isin(m.payer, self.victims) & dev_pool
+        units = np.asarray(c.pool_units, np.int64)[m.pool]
+        pinned = int((units * (victim & (m.pin > 0))).sum())
+        own_refs = np.zeros(c.total_blocks, np.int64)
+        live = m.alive & np.isin(m.ten, self.victims)
+        ents = m.tables[live]
+        np.add.at(own_refs, ents[ents >= 0], 1)
+        shared = victim & (m.pin == 0) & (m.ref > own_refs)
+        held_shared = int((units * shared).sum()) + m.inherited_by_others
+        return pinned * c.unit_bytes, held_shared * c.unit_bytes
+
