@@ -240,4 +240,5 @@ class ReclaimOps:
             step, blocks=int(abs(cb[0] - ca[0])),
             quota_bytes=int(((cb - ca) * units * dev).sum()) * c.unit_bytes,
             pool_bytes=int(((fa - fb) * units * dev).sum()) * c.unit_bytes,
+            pool0_bytes=int(fa[0] - fb[0]) * c.pool_bytes[0],
             host_bytes=max(host, 0) * c.pool_bytes[c.host_pool] if c.host_pool is not None else 0)

@@ -144,6 +144,7 @@ class PlanStep:
       target tenant(s); for compress, net of the compressed copy).
     pool_bytes: device bytes returned to the pools' free capacity (pool 0 and compressed pools,
       net of blocks the step itself takes there).
+    pool0_bytes: of which pool 0's: what a "make room" request counts.
     host_bytes: bytes written into the host pool.
     blocks: blocks moved, freed, compressed or dropped from tables.
     per_seq: ((seq, blocks), ...) the blocks each sequence gives.
@@ -154,11 +155,25 @@ class PlanStep:
     blocks: int = 0
     quota_bytes: int = 0
     pool_bytes: int = 0
+    pool0_bytes: int = 0
     host_bytes: int = 0
     per_seq: tuple[tuple[int, int], ...] = ()
 
     def summary(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def progress(request: ReclaimRequest, step: PlanStep) -> int:
+    """A step's bytes toward the request's target: the victims' device quota bytes released
+    (quota cut, lease expiry) or pool-0 bytes made allocatable (make room)."""
+    return step.pool0_bytes if request.kind == "make_room" else step.quota_bytes
+
+
+def bytes_by_means(request, steps) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in steps:
+        out[s.means] = out.get(s.means, 0) + progress(request, s)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,13 +226,11 @@ class ReclaimPlan:
 
     @property
     def planned_bytes(self) -> int:
-        return sum(s.quota_bytes for s in self.steps)
+        """What the steps give toward the target, in the request's measure."""
+        return sum(progress(self.request, s) for s in self.steps)
 
     def bytes_by_means(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in self.steps:
-            out[s.means] = out.get(s.means, 0) + s.quota_bytes
-        return out
+        return bytes_by_means(self.request, self.steps)
 
     def summary(self) -> dict:
         return dict(request=dataclasses.asdict(self.request), policy=self.policy.name,
@@ -271,13 +284,10 @@ class ReclaimReport:
 
     @property
     def reclaimed_bytes(self) -> int:
-        return sum(s.quota_bytes for s in self.steps)
+        return sum(progress(self.plan.request, s) for s in self.steps)
 
     def bytes_by_means(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in self.steps:
-            out[s.means] = out.get(s.means, 0) + s.quota_bytes
-        return out
+        return bytes_by_means(self.plan.request, self.steps)
 
     def summary(self) -> dict:
         return dict(reclaimed_bytes=self.reclaimed_bytes, by_means=self.bytes_by_means(),

@@ -117,6 +117,8 @@ class Planner:
             return [r for r in free if status[r] == SEQ_IDLE]
         if means == "suspend_running":
             return [r for r in free if status[r] == SEQ_RUNNING]
+        if means == "preempt":  # a compressed sequence may still be dropped whole
+            free = [r for r in self.rows if self.fate[r] in (FATE_UNTOUCHED, FATE_COMPRESSED)]
         return [r for r in free if status[r] in (SEQ_RUNNING, SEQ_IDLE)]
 
     # ---- one step --------------------------------------------------------------------------
@@ -210,6 +212,7 @@ class Planner:
         self.steps.append(PlanStep(
             means=means, seqs=tuple(int(r) for r in rows), blocks=int(np.abs(delta[0])),
             quota_bytes=quota * c.unit_bytes, pool_bytes=int(pool_gain) * c.unit_bytes,
+            pool0_bytes=int(m.free[0] - before.free[0]) * c.pool_bytes[0],
             host_bytes=max(int(host_units), 0) * c.unit_bytes, per_seq=per_seq))
         self.snapshot = m.copy()
 
@@ -269,7 +272,7 @@ class Planner:
         victim = np.isin(m.payer, self.victims) & dev_pool
         units = np.asarray(c.pool_units, np.int64)[m.pool]
         pinned = int((units * (victim & (m.pin > 0))).sum())
-        own_refs = np.zeros(c.total_blocks, np.int64)
+        own_refs = np.zeros(len(m.ref), np.int64)
         live = m.alive & np.isin(m.ten, self.victims)
         ents = m.tables[live]
         np.add.at(own_refs, ents[ents >= 0], 1)

@@ -26,13 +26,18 @@ class HostModel:
         c = config
         self.c = c
         b, s, t = host.blocks, host.seqs, host.tenants
-        self.ref = b.ref_count.astype(np.int64).copy()
-        self.pin = b.pin_count.astype(np.int64).copy()
-        self.payer = b.payer.astype(np.int64).copy()
-        self.prefs = b.payer_refs.astype(np.int64).copy()
-        self.fill = b.fill.astype(np.int64)
-        self.hashed = b.hashed.copy()
-        self.pool = pool_of(c, np.arange(c.total_blocks), xp=np)
+        # Blocks a move creates get model-only ids past the real ones (NB + k): their charges
+        # and references are tracked like any other block's.
+        extra = c.max_seqs * c.max_blocks_per_seq
+        grow = lambda a, v: np.concatenate([a.astype(np.int64), np.full(extra, v, np.int64)])  # noqa: E731
+        self.ref = grow(b.ref_count, 0)
+        self.pin = grow(b.pin_count, 0)
+        self.payer = grow(b.payer, INVALID)
+        self.prefs = grow(b.payer_refs, 0)
+        self.fill = grow(b.fill, 0)
+        self.hashed = np.concatenate([b.hashed, np.zeros(extra, bool)])
+        self.pool = grow(pool_of(c, np.arange(c.total_blocks), xp=np), 0)
+        self.next_id = c.total_blocks
         self.tables = s.block_tables.astype(np.int64).copy()
         self.ten = s.seq_tenant.astype(np.int64).copy()
         self.lens = s.seq_lens.astype(np.int64).copy()
@@ -125,11 +130,15 @@ class HostModel:
 
     def move(self, row, pos, dst_pool):
         """Move the own blocks at table positions `pos` of `row` to `dst_pool` (offload to host,
-        or compress): the old blocks return to pool 0, new ones are charged in dst_pool. The
-        new blocks are referenced by this row only, so the model forgets them."""
+        or compress): the old blocks return to pool 0, new ones (model-only ids) are charged in
+        dst_pool and take their place in the row's table."""
         blocks = self.tables[row, pos]
         t = self.ten[row]
         n = len(blocks)
+        new = np.arange(self.next_id, self.next_id + n)
+        self.next_id += n
+        self.ref[new], self.prefs[new], self.payer[new] = 1, 1, t
+        self.pool[new], self.fill[new] = dst_pool, self.fill[blocks]
         self.ref[blocks] = 0
         self.prefs[blocks] = 0
         self.payer[blocks] = INVALID
@@ -137,7 +146,7 @@ class HostModel:
         self.free[0] += n
         self.charged[t, dst_pool] += n
         self.free[dst_pool] -= n
-        self.tables[row, pos] = INVALID
+        self.tables[row, pos] = new
 
     def copy_on_write(self, row, n):
         """Eviction's copies of kept shared blocks: n fresh pool-0 blocks charged to the row."""
