@@ -367,7 +367,11 @@ class Allocator(TierOps, ReclaimOps):
         pool 0's cold cached blocks (`keep_cold_blocks`: free capacity that is still cache).
         Every room check of the facade counts with it."""
         self._check_state(state)
-        return core.allocatable(self.config, jax.device_get(state), xp=np)
+        return self._allocatable(state)
+
+    def _allocatable(self, state) -> np.ndarray:
+        """`allocatable_blocks` of a checked state (two small host reads)."""
+        return core.allocatable(self.config, state, xp=np)
 
     def drop_cold(self, state, max_blocks: Optional[int] = None, *, donate=False
                   ) -> tuple[KVState, core.ColdReport]:

@@ -7,9 +7,14 @@ shows up as a difference rather than being repeated. It checks:
   * sequences: live slots belong to registered tenants, tables hold exactly ceil(len / P) valid
     entries, logical positions never behind lengths (eviction only shrinks lengths);
   * ref counts and payer-held refs equal the references in the tables;
-  * each pool's free list holds exactly its blocks held by nothing (no duplicates, nothing both
-    free and held; pinned blocks never free); free blocks carry no metadata (tombstones cleared),
-    and with scrub_on_free their pages are zero in every pool;
+  * every block is exactly one of: held (referenced or pinned), on its pool's free list, or
+    *cold* (keep_cold_blocks only: pool 0, full, hashed, payer INVALID, no mass, an LRU stamp
+    below cold_clock, distinct; their number is cold_count); each pool's free list holds exactly
+    its blocks held by nothing that are not cold (no duplicates, nothing both free and held;
+    pinned blocks never free); free blocks carry no metadata (tombstones cleared), and with
+    scrub_on_free their pages are zero in every pool (a cold block's pages are live cache);
+  * a cold block is a sound lookup target: its chain hash is that of its tokens on its parent's
+    hash (or its salt's root), whenever that parent is still the one it was chained on;
   * every held block is charged to one registered tenant, who still references it unless it is
     pinned; cross-tenant references only between tenants sharing a salt;
   * block fill and token ids agree with every referencing sequence; every full block of a live
@@ -17,7 +22,8 @@ shows up as a difference rather than being repeated. It checks:
     lookup target exactly when it sits in pool 0 (host-resident or compressed blocks never are);
   * running sequences hold no host-pool block (only suspended ones do);
   * the ledger columns (used tokens, charged and pinned blocks per pool) equal their
-    recomputation, and the charges add up to each pool's held blocks (the real watermark).
+    recomputation, and the charges add up to each pool's held blocks (the real watermark):
+    pool size - free list - cold blocks.
 """
 
 from __future__ import annotations
@@ -143,7 +149,9 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     _flag(problems, "negative pin_count", st.blocks.pin_count < 0)
     held = r["held"]
 
-    # Free lists: exactly the blocks held by nothing, per pool.
+    cold = _check_cold(problems, config, st, held, pools)
+
+    # Free lists: exactly the blocks held by nothing and not cold, per pool.
     for pool, (start, size) in enumerate(zip(config.pool_starts, config.pool_sizes)):
         cnt = int(st.free.free_count[pool])
         if not 0 <= cnt <= size:
@@ -154,7 +162,7 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
             problems.append(f"pool {pool} free list has duplicates")
         if ((fl < start) | (fl >= start + size)).any():
             problems.append(f"pool {pool} free list holds blocks of another pool")
-        want = np.flatnonzero(~held[start:start + size]) + start
+        want = np.flatnonzero(~held[start:start + size] & ~cold[start:start + size]) + start
         if not np.array_equal(np.sort(fl), want):
             both = np.intersect1d(fl, np.flatnonzero(held))
             problems.append(
@@ -164,7 +172,7 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
 
     # Free blocks are tombstones: not hashed, no fill, no payer or chain data, so no lookup can
     # return them. (Their token ids are left stale on purpose: every allocation rewrites them.)
-    free = ~held
+    free = ~held & ~cold
     _flag(problems, "free block with a payer", free & (st.blocks.payer != INVALID))
     _flag(problems, "free block with payer refs", free & (st.blocks.payer_refs != 0))
     _flag(problems, "free block with fill", free & (st.blocks.fill != 0))
@@ -172,7 +180,8 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     _flag(problems, "free block with chain data",
           free & ((st.blocks.parent != INVALID) | (st.blocks.parent_gen != 0) | (st.blocks.block_salt != 0)))
     _flag(problems, "negative generation", st.blocks.generation < 0)
-    _flag(problems, "free block with attention mass", free & (st.blocks.attn_mass != 0).any(1))
+    _flag(problems, "free or cold block with attention mass",
+          ~held & (st.blocks.attn_mass != 0).any(1))
     _flag(problems, "attention mass past a block's fill or negative",
           ((np.arange(p)[None, :] >= st.blocks.fill[:, None]) & (st.blocks.attn_mass != 0)).any(1)
           | (st.blocks.attn_mass < 0).any(1) | ~np.isfinite(st.blocks.attn_mass).all(1))
@@ -246,7 +255,8 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     _diff(problems, "used_tokens", st.tenants.used_tokens, r["used"])
     _diff(problems, "charged_blocks", st.tenants.charged_blocks, r["charged"])
     _diff(problems, "pinned_blocks", st.tenants.pinned_blocks, r["pinned"])
-    held_per_pool = np.asarray(config.pool_sizes) - st.free.free_count
+    held_per_pool = (np.asarray(config.pool_sizes) - st.free.free_count
+                     - np.bincount(pools[cold], minlength=config.num_pools))
     _diff(problems, "sum of charges vs held blocks per pool", st.tenants.charged_blocks.sum(0), held_per_pool)
     _flag(problems, "negative quota", (st.tenants.token_quota < 0) | (st.tenants.byte_quota < 0))
     _flag(problems, "unregistered tenant with a ledger",
@@ -254,3 +264,51 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     if problems:
         raise InvariantError(problems)
     return r
+
+
+def _check_cold(problems, config: StateConfig, st, held, pools) -> np.ndarray:
+    """bool[NB]: the cold blocks, recomputed from ref/pin/pool/fill/hash/payer and the free lists
+    (not from `cold_at`), after checking them against `cold_at`, the counters and their chain."""
+    nb, p = config.total_blocks, config.block_size
+    b = st.blocks
+    on_list = np.zeros(nb, bool)
+    for pool, (start, size) in enumerate(zip(config.pool_starts, config.pool_sizes)):
+        cnt = int(np.clip(st.free.free_count[pool], 0, size))
+        on_list[np.clip(st.free.free_list[start:start + cnt], 0, nb - 1)] = True
+    cold = (~held & (pools == 0) & (b.fill == p) & b.hashed & (b.payer == INVALID) & ~on_list)
+    if not config.keep_cold_blocks:
+        _flag(problems, "cold block (an unheld cached block) without keep_cold_blocks", cold)
+        cold = np.zeros(nb, bool)
+    stamped = b.cold_at != INVALID
+    _flag(problems, "cold_at stamp on a block that is not cold, or a cold block without one",
+          stamped != cold)
+    n = int(cold.sum())
+    if int(st.free.cold_count) != n:
+        problems.append(f"cold_count = {int(st.free.cold_count)}, {n} cold blocks")
+    clock = int(st.free.cold_clock)
+    stamps = b.cold_at[cold]
+    if (stamps < 0).any() or (stamps >= clock).any() or len(np.unique(stamps)) != len(stamps):
+        problems.append(f"cold stamps must be distinct, in [0, cold_clock = {clock}): "
+                        f"{np.sort(stamps)[:8].tolist()}")
+    _flag(problems, "cold block with payer refs or pins", cold & ((b.payer_refs != 0)
+                                                                 | (b.pin_count != 0)))
+    _flag(problems, "cold block with invalid token ids", cold & (b.token_ids < 0).any(1))
+    # The chain: a cold block whose parent is still the block it was chained on (same
+    # generation, still a lookup target) carries the hash of its tokens on the parent's hash;
+    # one without a parent the hash on its salt's root. (A stale parent makes it unreachable.)
+    ids = np.flatnonzero(cold)
+    par = np.clip(b.parent[ids], 0, nb - 1)
+    orphan = b.parent[ids] == INVALID
+    live_parent = ~orphan & (b.parent_gen[ids] == b.generation[par]) & b.hashed[par]
+    root = salt_root(b.block_salt[ids], config.hash_bits, xp=np)
+    prev = np.where(orphan[:, None], root, b.block_hash[par])
+    want = block_hash(prev, b.token_ids[ids], config.hash_bits, xp=np)
+    bad = (orphan | live_parent) & (b.block_hash[ids] != want).any(1)
+    if bad.any():
+        problems.append(f"cold blocks whose hash is not the chain hash of their tokens and "
+                        f"parent: {ids[bad][:5].tolist()}")
+    bad = live_parent & (b.block_salt[ids] != b.block_salt[par])
+    if bad.any():
+        problems.append(f"cold blocks of another salt than their parent: {ids[bad][:5].tolist()}")
+    return cold
+

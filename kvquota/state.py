@@ -241,6 +241,9 @@ class Blocks:
     attn_mass: jax.Array  # f32[NB, P]  attention each cached token received, accumulated over
     #                      decode steps (summed over layers and KV heads, each the mean over the
     #                      query heads of its group); 0 past `fill`, reset when freed or rewritten
+    cold_at: jax.Array  # i32[NB]  LRU stamp of a *cold* cached block (pool 0, full, hashed, held
+    #                    by nothing, on no free list; `keep_cold_blocks` only): the value of
+    #                    `FreeLists.cold_clock` when it went cold. INVALID for every other block
 
 
 @struct.dataclass
@@ -250,6 +253,10 @@ class FreeLists:
 
     free_list: jax.Array  # i32[NB]
     free_count: jax.Array  # i32[POOLS]
+    cold_count: jax.Array  # i32[]  cold cached blocks of pool 0 (free capacity beside the stack:
+    #                       pool 0's allocatable blocks are free_count[0] + cold_count)
+    cold_clock: jax.Array  # i32[]  blocks gone cold so far: the next `cold_at` stamp (int32, so
+    #                       a state takes at most 2^31 - 1 blocks going cold)
 
 
 @struct.dataclass
@@ -359,8 +366,11 @@ def init_state(config: StateConfig) -> KVState:
         parent_gen=i32((nb,)),
         generation=i32((nb,)),
         attn_mass=np.zeros((nb, p), np.float32),
+        cold_at=i32((nb,), INVALID),
         free_list=free_list,
         free_count=np.array(config.pool_sizes, np.int32),
+        cold_count=np.int32(0),
+        cold_clock=np.int32(0),
         block_tables=i32((s, mb), INVALID),
         seq_lens=i32((s,)),
         positions=i32((s,)),

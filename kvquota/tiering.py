@@ -36,7 +36,7 @@ COMPRESS_ORDERS = ("oldest", "coldest")
 
 class TierOps:
     """offload / restore / compress / evict; `self.config`, `_check_state`, `_running`,
-    `_heir_rows` and `allocatable_blocks` (every room check) come from the Allocator."""
+    `_heir_rows` and `_allocatable` (every room check) come from the Allocator."""
 
     def _batch(self, state, seq_ids, what, allowed):
         """(validated input rows i32[B], their real ids): every real id in range, in an
@@ -69,7 +69,7 @@ class TierOps:
         c = self.config
         rows, real = self._moves(state, seq_ids, "offload", (SEQ_RUNNING, SEQ_IDLE))
         need = int(self._own_blocks(state, real, 0)[0].sum())
-        room = int(self.allocatable_blocks(state)[c.host_pool])
+        room = int(self._allocatable(state)[c.host_pool])
         if need > room:
             raise PoolFullError(f"offload: {need} blocks to move, the host pool has {room} free")
         return core.run("offload", c, state, rows, donate=donate)
@@ -81,7 +81,7 @@ class TierOps:
         c = self.config
         rows, real = self._moves(state, seq_ids, "restore", (SEQ_SUSPENDED,))
         per_row, ten = self._own_blocks(state, real, c.host_pool)
-        room = int(self.allocatable_blocks(state)[0])
+        room = int(self._allocatable(state)[0])
         if int(per_row.sum()) > room:
             raise PoolFullError(f"restore: {int(per_row.sum())} blocks to bring back, pool 0 has "
                                 f"{room} free")
@@ -129,7 +129,7 @@ class TierOps:
         limits = np.full(ids.size, limit, np.int32)
         args = (ids, scores, limits, np.int32(keep))
         need = int(core.compress_count(c, state, *args))
-        room = int(self.allocatable_blocks(state)[pool])
+        room = int(self._allocatable(state)[pool])
         if need > room:
             raise PoolFullError(f"compress: {need} blocks to compress, the {kv_format} pool has "
                                 f"{room} free")
@@ -172,7 +172,7 @@ class TierOps:
             if bool(outside):
                 raise TierError("evict: a shared or pinned compressed block would need a copy "
                                 "on write; copies are made in pool 0 only")
-        room = int(self.allocatable_blocks(state)[0])
+        room = int(self._allocatable(state)[0])
         if need > room:
             raise PoolFullError(f"evict: {need} blocks needed for copies on write, pool 0 has "
                                 f"{room} free")

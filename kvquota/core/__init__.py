@@ -5,6 +5,7 @@ INVALID. Each core only touches the rows it is given: updates are scatters of O(
 elements, so with the state donated XLA updates the large per-block arrays in place.
 """
 
+from kvquota.core.cold import ColdReport, allocatable
 from kvquota.core.jit import (
     compiled,
     compress_count,
@@ -15,5 +16,5 @@ from kvquota.core.jit import (
     run,
 )
 
-__all__ = ["compiled", "compress_count", "evict_block_fresh_count", "evict_fresh_count", "ledger",
-           "own_count", "run"]
+__all__ = ["ColdReport", "allocatable", "compiled", "compress_count", "evict_block_fresh_count",
+           "evict_fresh_count", "ledger", "own_count", "run"]

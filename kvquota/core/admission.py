@@ -20,6 +20,7 @@ from kvquota.codes import (
     SEQ_RUNNING,
     SKIPPED_PADDING,
 )
+from kvquota.core.cold import allocatable, revive_inputs, revivers, take_pool0
 from kvquota.core.pages import copy_blocks
 from kvquota.core.prefix import chain_hashes, lookup
 from kvquota.core.scatter import after, charged_units, clip, oob
@@ -28,20 +29,30 @@ from kvquota.reports import AdmitReport, AppendReport, ForkReport
 from kvquota.sentinel import INVALID
 from kvquota.state import KVState, StateConfig
 
-def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, seq_full):
+def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, seq_full,
+            revive=None):
     """Sequential admission decisions over a batch: (ok bool[B], reason i32[B]).
 
     Row i is checked against the ledger as left by the accepted rows before it, in this order:
-    padding, table full, token quota, byte quota, pool 0 free blocks, sequence slots. A tenant
-    flagged `growing` (grow-no-admit) appends past its byte quota; its admissions and forks that
-    would go over are refused as REFUSED_GROWING.
+    padding, table full, token quota, byte quota, pool 0 allocatable blocks (stack + cold),
+    sequence slots. A tenant flagged `growing` (grow-no-admit) appends past its byte quota; its
+    admissions and forks that would go over are refused as REFUSED_GROWING.
+
+    `revive` = (cold_hit bool[B, M], same bool[B, M, B]) from `cold.revive_inputs`: a row's
+    prefix hits on cold blocks that no accepted earlier row revived are charged to it and taken
+    from pool 0's capacity, like new blocks (they were free capacity).
     """
     unit0 = config.pool_units[0]
     slots0 = (state.seqs.seq_status == SEQ_FREE).sum().astype(jnp.int32)
+    b = tenant.shape[0]
 
     def step(carry, row):
-        free0, used, charged, slots = carry
-        t, v, ntok, nblk, full = row
+        free0, used, charged, slots = carry[:4]
+        t, v, ntok, nblk, full = row[:5]
+        if revive is not None:  # cold hits not revived by an accepted earlier row
+            cold_i, same_i, i = row[5:]
+            nblk = nblk + (cold_i & ~(same_i & carry[4][None, :]).any(axis=1)).sum(
+                dtype=jnp.int32)
         tc = clip(t)
         growing = state.tenants.growing[tc]
         over_bytes = nblk * unit0 > state.tenants.byte_quota[tc] - charged[tc]
@@ -57,25 +68,24 @@ def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, s
             jnp.where(need_slot & (slots < 1), REFUSED_NO_SEQ_SLOT, OK)))))))
         ok = reason == OK
         oki = ok.astype(jnp.int32)
-        carry = (
+        new_carry = (
             free0 - nblk * oki,
             used.at[tc].add(ntok * oki),
             charged.at[tc].add(nblk * unit0 * oki),
             slots - (oki if need_slot else 0),
         )
-        return carry, (ok, reason.astype(jnp.int32))
+        if revive is not None:
+            new_carry = new_carry + (carry[4].at[i].set(ok),)
+        return new_carry, (ok, reason.astype(jnp.int32))
 
-    init = (state.free.free_count[0], state.tenants.used_tokens, charged_units(config, state), slots0)
-    _, (ok, reason) = lax.scan(step, init, (tenant, valid, need_tokens, need_blocks, seq_full))
+    init = (allocatable(config, state)[0], state.tenants.used_tokens,
+            charged_units(config, state), slots0)
+    xs = (tenant, valid, need_tokens, need_blocks, seq_full)
+    if revive is not None:
+        init = init + (jnp.zeros((b,), bool),)
+        xs = xs + (revive[0], revive[1], jnp.arange(b, dtype=jnp.int32))
+    _, (ok, reason) = lax.scan(step, init, xs)
     return ok, reason
-
-
-def _pop_pool0(state, take):
-    """Block ids for rows with `take` (bool[B]) popped in row order from pool 0's stack."""
-    take_i = take.astype(jnp.int32)
-    rank = jnp.cumsum(take_i) - take_i
-    ids = state.free.free_list[clip(state.free.free_count[0] - 1 - rank)]
-    return jnp.where(take, ids, INVALID), take_i.sum()
 
 
 def _free_slots(state, ok):
@@ -111,41 +121,53 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
     nblk = (lengths + p - 1) // p
     nnew = nblk - nhit
 
+    revive = revive_inputs(state, hits) if config.keep_cold_blocks else None
     ok, reason = _decide(config, state, tenants, valid, lengths, nnew, True,
-                         jnp.zeros((b,), bool))
+                         jnp.zeros((b,), bool), revive)
     slot = _free_slots(state, ok)
-    oki = ok.astype(jnp.int32)
-    new_rank = jnp.cumsum(nnew * oki) - nnew * oki
-    free0 = state.free.free_count[0]
+    kk = jnp.arange(mb, dtype=jnp.int32)[None, :]
+    pad_mb = lambda x, v: jnp.pad(x, ((0, 0), (0, mb - m)), constant_values=v)  # noqa: E731
+    hits_mb = pad_mb(hits, INVALID)
+    tcol = jnp.broadcast_to(tc[:, None], (b, mb))
+    if revive is not None:
+        # Cold hits of accepted rows are revived, each paid by the lowest accepted row hitting
+        # it; they leave the LRU before any block is popped, so no pop can take them.
+        rev, rev_tenant = revivers(*revive, ok, tenants)
+        rev, cold_mb, rev_tenant = pad_mb(rev, False), pad_mb(revive[0], False), pad_mb(
+            rev_tenant, INVALID)
+        nrev = rev.sum(axis=1).astype(jnp.int32)
+        state = state.update(
+            cold_at=state.blocks.cold_at.at[oob(hits_mb, rev, nb)].set(INVALID, mode="drop"),
+            cold_count=state.free.cold_count - nrev.sum())
+        hit_payer = jnp.where(cold_mb, rev_tenant, state.blocks.payer[clip(hits_mb)])
+    else:
+        rev, nrev = jnp.zeros((b, mb), bool), jnp.zeros((b,), jnp.int32)
+        hit_payer = state.blocks.payer[clip(hits_mb)]
 
     # Table rows [B, MB]: hits, then popped blocks, then INVALID.
-    kk = jnp.arange(mb, dtype=jnp.int32)[None, :]
-    hits_mb = jnp.pad(hits, ((0, 0), (0, mb - m)), constant_values=INVALID)
     is_hit = kk < nhit[:, None]
     is_new = (kk >= nhit[:, None]) & (kk < nblk[:, None]) & ok[:, None]
-    pop_idx = free0 - 1 - (new_rank[:, None] + kk - nhit[:, None])
-    popped = state.free.free_list[jnp.clip(pop_idx, 0, nb - 1)]
+    popped, _, state = take_pool0(config, state, is_new)
     rows = jnp.where(is_hit, hits_mb, jnp.where(is_new, popped, INVALID))
     rows = jnp.where(ok[:, None], rows, INVALID)
 
     # Per-entry data of the new blocks (entries k < m only; k >= m is never new since nblk <= m).
-    tcol = jnp.broadcast_to(tc[:, None], (b, mb))
     entry = oob(rows, rows >= 0, nb)
     new_ids = oob(rows, is_new, nb)
-    hit_own = state.blocks.payer[clip(rows)] == tcol
+    hit_own = hit_payer == tcol  # (read only where is_hit)
     prev = jnp.pad(rows[:, :-1], ((0, 0), (1, 0)), constant_values=INVALID)
     fill = jnp.clip(lengths[:, None] - kk * p, 0, p)
     full = fill == p
     blocks_mb = jnp.pad(blocks, ((0, 0), (0, mb - m), (0, 0)), constant_values=INVALID)
     hashes_mb = jnp.pad(hashes, ((0, 0), (0, mb - m), (0, 0)))
-    n_new_total = (nnew * oki).sum()
 
     s = state
     state = s.update(
         ref_count=s.blocks.ref_count.at[entry].add(1, mode="drop"),
         payer_refs=s.blocks.payer_refs.at[new_ids].set(1, mode="drop")
         .at[oob(rows, is_hit & ok[:, None] & hit_own, nb)].add(1, mode="drop"),
-        payer=s.blocks.payer.at[after(new_ids, hit_own)].set(tcol, mode="drop"),
+        payer=s.blocks.payer.at[after(new_ids, hit_own)].set(tcol, mode="drop")
+        .at[oob(rows, rev, nb)].set(tcol, mode="drop"),
         fill=s.blocks.fill.at[new_ids].set(fill, mode="drop"),
         token_ids=s.blocks.token_ids.at[new_ids].set(blocks_mb, mode="drop"),
         attn_mass=s.blocks.attn_mass.at[new_ids].set(0.0, mode="drop"),
@@ -157,7 +179,6 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         parent=s.blocks.parent.at[new_ids].set(prev, mode="drop"),
         parent_gen=s.blocks.parent_gen.at[new_ids].set(
             jnp.where(prev >= 0, s.blocks.generation[clip(prev)], 0), mode="drop"),
-        free_count=s.free.free_count.at[0].add(-n_new_total),
         block_tables=s.seqs.block_tables.at[oob(slot, ok, config.max_seqs)].set(rows, mode="drop"),
         seq_lens=s.seqs.seq_lens.at[oob(slot, ok, config.max_seqs)].set(lengths, mode="drop"),
         positions=s.seqs.positions.at[oob(slot, ok, config.max_seqs)].set(lengths, mode="drop"),
@@ -169,7 +190,7 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         births=s.seqs.births + ok.sum().astype(jnp.int32),
         used_tokens=s.tenants.used_tokens.at[oob(tc, ok, config.num_tenants)].add(lengths, mode="drop"),
         charged_blocks=s.tenants.charged_blocks.at[oob(tc, ok, config.num_tenants), 0].add(
-            nnew, mode="drop"),
+            nnew + nrev, mode="drop"),
     )
     report = AdmitReport(
         admitted=ok,
@@ -198,7 +219,7 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
     ok, reason = _decide(config, state, t, valid, jnp.ones_like(seq_ids), need_new.astype(jnp.int32),
                          False, seq_full)
     alloc = ok & need_new
-    newb, n_alloc = _pop_pool0(state, alloc)
+    newb, _, state = take_pool0(config, state, alloc)
     kc = jnp.minimum(k, mb - 1)
     prev = jnp.where(k > 0, state.seqs.block_tables[sc, jnp.maximum(kc - 1, 0)], INVALID)
     blk = jnp.where(need_new, newb, state.seqs.block_tables[sc, kc])
@@ -234,7 +255,6 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
         parent=s.blocks.parent.at[ai].set(prev, mode="drop"),
         parent_gen=s.blocks.parent_gen.at[ai].set(
             jnp.where(prev >= 0, s.blocks.generation[clip(prev)], 0), mode="drop"),
-        free_count=s.free.free_count.at[0].add(-n_alloc),
         block_tables=s.seqs.block_tables.at[after(oob(sc, alloc, ns), prev, blk), kc].set(
             newb, mode="drop"),
         seq_lens=s.seqs.seq_lens.at[after(rows, length)].add(1, mode="drop"),
@@ -269,7 +289,7 @@ def fork(config: StateConfig, state: KVState, seq_ids):
                          jnp.zeros((b,), bool))
     slot = _free_slots(state, ok)
     alloc = ok & partial
-    newb, n_alloc = _pop_pool0(state, alloc)
+    newb, _, state = take_pool0(config, state, alloc)
     src_rows = state.seqs.block_tables[sc]
     last = nblk - 1
     oldb = jnp.where(alloc, src_rows[jnp.arange(b), jnp.maximum(last, 0)], INVALID)
@@ -295,7 +315,6 @@ def fork(config: StateConfig, state: KVState, seq_ids):
         block_salt=s.blocks.block_salt.at[ai].set(s.blocks.block_salt[oc], mode="drop"),
         parent=s.blocks.parent.at[ai].set(s.blocks.parent[oc], mode="drop"),
         parent_gen=s.blocks.parent_gen.at[ai].set(s.blocks.parent_gen[oc], mode="drop"),
-        free_count=s.free.free_count.at[0].add(-n_alloc),
         block_tables=s.seqs.block_tables.at[after(oob(slot, ok, ns), src_rows, rows, oldb, own)].set(
             rows, mode="drop"),
         seq_lens=s.seqs.seq_lens.at[after(oob(slot, ok, ns), length)].set(length, mode="drop"),

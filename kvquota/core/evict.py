@@ -53,13 +53,13 @@ def plan_tokens(config: StateConfig, state: KVState, seq_ids, keep):
     written = (q >= stable[:, None]) & (q < new_nblk[:, None])
     own = own_blocks(config, state, rows, tcol, 0)
     fresh = written & ~own
-    fresh_ids, n_fresh = pop_blocks(config, state, fresh.ravel(), 0)
+    fresh_ids, n_fresh, state = pop_blocks(config, state, fresh.ravel(), 0)
     table = jnp.where(q < new_nblk[:, None], rows, INVALID)
     table = jnp.where(fresh, fresh_ids.reshape(b, mb), table)
     j = jnp.cumsum(keep, axis=1) - 1  # new cache index of each kept token
     moved = keep & (i >= (stable * p)[:, None])  # kept tokens that land in a written block
     dst_blk = jnp.take_along_axis(table, jnp.clip(j // p, 0, mb - 1), axis=1)
-    return dict(table=table, rows=rows, tcol=tcol, written=written, fresh=fresh,
+    return dict(state=state, table=table, rows=rows, tcol=tcol, written=written, fresh=fresh,
                 n_fresh=n_fresh, n_keep=n_keep, lens=lens, moved=moved, dst_blk=dst_blk,
                 dst_slot=j % p, src_blk=jnp.take_along_axis(rows, jnp.clip(i // p, 0, mb - 1),
                                                           axis=1), src_slot=i % p,
@@ -76,6 +76,7 @@ def evict_tokens(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
     padding), compacted. `heir_rows` are the live rows that may inherit a shared block's charge."""
     p, nb, ns, ntn = config.block_size, config.total_blocks, config.max_seqs, config.num_tenants
     pl = plan_tokens(config, state, seq_ids, keep)
+    state = pl["state"]  # the fresh blocks popped
     b, mb = pl["table"].shape
     blk, s = state.blocks, state
     valid = seq_ids >= 0
@@ -119,7 +120,6 @@ def evict_tokens(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
         payer_refs=blk.payer_refs.at[fresh].set(1, mode="drop").at[own_gone].add(
             -1, mode="drop"),
         payer=blk.payer.at[fresh].set(pl["tcol"], mode="drop"),
-        free_count=s.free.free_count.at[0].add(-pl["n_fresh"]),
         block_tables=s.seqs.block_tables.at[oob(seq_ids, valid, ns)].set(pl["table"],
                                                                           mode="drop"),
         seq_lens=s.seqs.seq_lens.at[oob(seq_ids, valid, ns)].set(pl["n_keep"], mode="drop"),
@@ -154,15 +154,15 @@ def plan_blocks(config: StateConfig, state: KVState, seq_ids, keep):
     blk = state.blocks
     own = (blk.ref_count[rc] == 1) & (blk.pin_count[rc] == 0) & (blk.payer[rc] == tcol)
     fresh = after & ~own  # the facade refuses copies of blocks outside pool 0
-    fresh_ids, n_fresh = pop_blocks(config, state, fresh.ravel(), 0)
+    fresh_ids, n_fresh, state = pop_blocks(config, state, fresh.ravel(), 0)
     ids = jnp.where(fresh, fresh_ids.reshape(b, mb), rows)
     rank = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, mb)  # new slot of each kept block
     table = jnp.full((b, mb), INVALID, jnp.int32)
     table = jax.vmap(lambda t, r, x: t.at[r].set(x, mode="drop"))(table, rank, ids)
     rewritten = jnp.zeros((b, mb), bool)
     rewritten = jax.vmap(lambda t, r, a: t.at[r].set(a, mode="drop"))(rewritten, rank, after)
-    return dict(rows=rows, tcol=tcol, keep=keep, fresh=fresh, n_fresh=n_fresh, table=table,
-                rewritten=rewritten, fresh_ids=ids, dropped=dropped,
+    return dict(state=state, rows=rows, tcol=tcol, keep=keep, fresh=fresh, n_fresh=n_fresh,
+                table=table, rewritten=rewritten, fresh_ids=ids, dropped=dropped,
                 fresh_outside_pool0=(fresh & (rows >= config.num_blocks)).any())
 
 
@@ -179,6 +179,7 @@ def evict_blocks(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
     one are copied on write (pool 0 only: the facade refuses the rest)."""
     p, nb, ns, ntn = config.block_size, config.total_blocks, config.max_seqs, config.num_tenants
     pl = plan_blocks(config, state, seq_ids, keep)
+    state = pl["state"]  # the fresh blocks popped
     b, mb = pl["table"].shape
     blk, s = state.blocks, state
     valid = seq_ids >= 0
@@ -215,7 +216,6 @@ def evict_blocks(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
         payer_refs=blk.payer_refs.at[fresh].set(1, mode="drop").at[own_gone].add(
             -1, mode="drop"),
         payer=blk.payer.at[fresh].set(pl["tcol"], mode="drop"),
-        free_count=s.free.free_count.at[0].add(-pl["n_fresh"]),
         block_tables=s.seqs.block_tables.at[oob(seq_ids, valid, ns)].set(pl["table"],
                                                                           mode="drop"),
         seq_lens=s.seqs.seq_lens.at[oob(seq_ids, valid, ns)].set(kept_tokens, mode="drop"),

@@ -1,11 +1,13 @@
 """Dropping references (free, release a tenant, unpin) and settling what they leave: blocks held
-by nothing return to their pool, charges whose payer let go pass to an heir."""
+by nothing return to their pool (or, under keep_cold_blocks, full cached pool-0 blocks stay in
+the prefix cache as cold blocks), charges whose payer let go pass to an heir."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from kvquota.codes import SEQ_FREE
+from kvquota.core.cold import stamp_cold
 from kvquota.core.pages import scrub_blocks
 from kvquota.core.scatter import after, clip, device_units, oob
 from kvquota.reports import FreeReport
@@ -28,6 +30,10 @@ def settle(config, state, touched, heirs, reads=()):
     allowed): free the blocks no longer held, and pass the charge of blocks whose payer holds no
     reference any more to the remaining referencer with the lowest tenant id among `heirs`
     (entries and tenants of the candidate rows, read before any row was cleared).
+
+    With `keep_cold_blocks`, a freed block that is in pool 0, full and hashed goes cold instead
+    of onto the stack: it keeps its cache entry (hash, salt, token ids, parent, generation and
+    pages, which scrub_on_free leaves alone), loses its payer and mass, and counts as returned.
 
     Everything is O(E + R x MB) gathers and scatters: nothing sorts and nothing is NB-sized.
     Repeated ids are resolved by letting every copy write its (negative) position into the
@@ -76,12 +82,21 @@ def settle(config, state, touched, heirs, reads=()):
         old_payer, mode="drop")  # no heir found
     payer = payer.at[after(oob(b, freed, nb), payer_reads)].set(INVALID, mode="drop")
 
-    # Free-list push, per pool, in entry order.
-    onehot = (pool[:, None] == jnp.arange(npools)[None, :]) & freed[:, None]
+    # Cold blocks stay in the cache; the others are pushed, per pool, in entry order.
+    if config.keep_cold_blocks:
+        cold = (freed & (pool == 0) & s.blocks.hashed[b]
+                & (s.blocks.fill[b] == config.block_size))
+        pushed = freed & ~cold
+    else:
+        cold, pushed = None, freed
+    onehot = (pool[:, None] == jnp.arange(npools)[None, :]) & pushed[:, None]
     rank = (jnp.cumsum(onehot.astype(jnp.int32), axis=0) - 1)[jnp.arange(e), pool]
     starts = jnp.asarray(config.pool_starts, jnp.int32)
-    push_at = oob(starts[pool] + s.free.free_count[pool] + rank, freed, nb)
-    returned = onehot.sum(axis=0).astype(jnp.int32)
+    push_at = oob(starts[pool] + s.free.free_count[pool] + rank, pushed, nb)
+    pushed_per_pool = onehot.sum(axis=0).astype(jnp.int32)
+    returned = pushed_per_pool
+    if cold is not None:
+        returned = returned.at[0].add(cold.sum().astype(jnp.int32))
 
     units = jnp.asarray(config.pool_units, jnp.int32)[pool]
     dropped = freed | moved
@@ -94,24 +109,27 @@ def settle(config, state, touched, heirs, reads=()):
     inherited = zeros_t.at[oob(heir, moved, ntn)].add(units, mode="drop")
     over = (inherited > 0) & ((charged * device_units(config)[None, :]).sum(axis=1) > s.tenants.byte_quota)
     fi = oob(b, freed, nb)
+    pi = oob(b, pushed, nb)  # the freed blocks that leave the cache (all of them without cold)
     updates = dict(
         payer=payer,
         payer_refs=payer_refs.at[fi].set(0, mode="drop"),
-        fill=s.blocks.fill.at[fi].set(0, mode="drop"),
-        block_hash=s.blocks.block_hash.at[fi].set(jnp.uint32(0), mode="drop"),
-        hashed=s.blocks.hashed.at[fi].set(False, mode="drop"),
-        block_salt=s.blocks.block_salt.at[fi].set(jnp.uint32(0), mode="drop"),
-        parent=s.blocks.parent.at[fi].set(INVALID, mode="drop"),
-        parent_gen=s.blocks.parent_gen.at[fi].set(0, mode="drop"),
-        generation=s.blocks.generation.at[fi].add(1, mode="drop"),
+        fill=s.blocks.fill.at[pi].set(0, mode="drop"),
+        block_hash=s.blocks.block_hash.at[pi].set(jnp.uint32(0), mode="drop"),
+        hashed=s.blocks.hashed.at[pi].set(False, mode="drop"),
+        block_salt=s.blocks.block_salt.at[pi].set(jnp.uint32(0), mode="drop"),
+        parent=s.blocks.parent.at[pi].set(INVALID, mode="drop"),
+        parent_gen=s.blocks.parent_gen.at[pi].set(0, mode="drop"),
+        generation=s.blocks.generation.at[pi].add(1, mode="drop"),
         attn_mass=s.blocks.attn_mass.at[fi].set(0.0, mode="drop"),
         free_list=s.free.free_list.at[push_at].set(b, mode="drop"),
-        free_count=s.free.free_count + returned,
+        free_count=s.free.free_count + pushed_per_pool,
         charged_blocks=charged,
     )
+    if cold is not None:
+        updates.update(stamp_cold(config, s, b, cold))
     state = s.update(**updates)
     if config.scrub_on_free:
-        state = state.replace(pages=scrub_blocks(config, s.pages, b, freed))
+        state = state.replace(pages=scrub_blocks(config, s.pages, b, pushed))
     host_used = (config.pool_sizes[config.host_pool] - state.free.free_count[config.host_pool]
                  if config.host_pool is not None else jnp.int32(0))
     return state, dict(

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from kvquota.codes import SEQ_RUNNING, SEQ_SUSPENDED
+from kvquota.core.cold import take_pool0
 from kvquota.core.release import settle
 from kvquota.core.scatter import clip, oob
 from kvquota.pages import to_memory
@@ -28,13 +29,19 @@ from kvquota.state import KVState, StateConfig, pool_of
 
 
 def pop_blocks(config: StateConfig, state: KVState, take, pool: int):
-    """Block ids (i32[K], INVALID where not `take`) popped in order from `pool`'s stack, and
-    how many were popped."""
+    """Pop a block of `pool` (static) for every entry of `take` (bool[K]), in order: (ids i32[K],
+    INVALID where not taken; how many; the state with the pool's counts lowered). Pool 0 pops
+    go through `cold.take_pool0` (stack first, then least recently cold blocks); build on the
+    returned state."""
+    if pool == 0:
+        return take_pool0(config, state, take)
     ti = take.astype(jnp.int32)
     rank = jnp.cumsum(ti) - ti
     top = config.pool_starts[pool] + state.free.free_count[pool] - 1
     ids = state.free.free_list[clip(top - rank)]
-    return jnp.where(take, ids, INVALID), ti.sum()
+    n = ti.sum()
+    state = state.update(free_count=state.free.free_count.at[pool].add(-n))
+    return jnp.where(take, ids, INVALID), n, state
 
 
 def _move_pages(config, pages, src_ids, dst_ids, mask, src_pool, dst_pool):
@@ -82,8 +89,8 @@ def relocate(config: StateConfig, state: KVState, seq_ids, move, src_pool: int, 
     b, mb = move.shape
     rows, tcol = seq_rows(state, seq_ids)
     rc = clip(rows)
+    new_flat, _, state = pop_blocks(config, state, move.ravel(), dst_pool)
     blk = state.blocks
-    new_flat, n_moved = pop_blocks(config, state, move.ravel(), dst_pool)
     new = jnp.where(move, new_flat.reshape(b, mb), rows)  # the table after the move
     prev_new = jnp.pad(new[:, :-1], ((0, 0), (1, 0)), constant_values=INVALID)
     prev_moved = jnp.pad(move[:, :-1], ((0, 0), (1, 0)))
@@ -107,7 +114,6 @@ def relocate(config: StateConfig, state: KVState, seq_ids, move, src_pool: int, 
         parent=blk.parent.at[relink].set(prev_new, mode="drop"),
         parent_gen=blk.parent_gen.at[relink].set(
             jnp.where(prev_new >= 0, blk.generation[clip(prev_new)], 0), mode="drop"),
-        free_count=s.free.free_count.at[dst_pool].add(-n_moved),
         block_tables=s.seqs.block_tables.at[oob(seq_ids, valid, ns)].set(new, mode="drop"),
         charged_blocks=s.tenants.charged_blocks.at[oob(ten, valid, ntn), dst_pool].add(
             per_seq, mode="drop"),
