@@ -47,6 +47,20 @@ from kvquota.state import (
     validate_state,
 )
 
+# ---- reclaim in one action, and the LMCache-style controller verbs ------------------------------
+from kvquota import controller
+from kvquota.reclaim import (
+    PRESETS as RECLAIM_PRESETS,
+    PlanStep,
+    ReclaimPlan,
+    ReclaimPolicy,
+    ReclaimReport,
+    ReclaimRequest,
+    SeqArchive,
+    SeqFate,
+    get_reclaim_policy,
+)
+
 # ---- eviction policies (one scoring hook each, registered by name) ---------------------------
 from kvquota.policies import REGISTRY as POLICIES
 from kvquota.policies import EvictionPolicy, TokenView, get_policy
@@ -62,6 +76,7 @@ from kvquota.reports import (
     Ledger,
     MoveReport,
     PinReport,
+    PreemptReport,
     TenantReport,
 )
 

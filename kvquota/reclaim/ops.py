@@ -90,8 +90,8 @@ class ReclaimOps:
 
     # ---- plan --------------------------------------------------------------------------------
     def _capacity(self, state) -> np.ndarray:
-        """Allocatable blocks per pool."""
-        return np.asarray(state.free.free_count).astype(np.int64)
+        """Allocatable blocks per pool (free stacks, plus pool 0's cold cached blocks)."""
+        return np.asarray(core.allocatable(self.config, state, xp=np)).astype(np.int64)
 
     def plan_reclaim(self, state, request: ReclaimRequest, policy="tiered", *,
                      now: Optional[int] = None) -> ReclaimPlan:

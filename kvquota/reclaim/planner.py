@@ -102,6 +102,9 @@ class Planner:
         return self.start_units - self.m.device_units(self.victims)
 
     def done(self) -> bool:
+        """Target met (take_all: every step takes all it can, unless nothing was asked)."""
+        if self.target <= 0:
+            return True
         return not self.policy.take_all and self.progress() >= self.target
 
     def candidates(self, means):
