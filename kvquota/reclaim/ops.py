@@ -69,24 +69,31 @@ class ReclaimOps:
         return core.run("preempt", self.config, state, pad(real, bucket(len(real))), heirs,
                         donate=donate)
 
-    def rebalance(self, state, *, seq_ids=None, donate=False) -> tuple:
+    def rebalance(self, state, *, seq_ids=None, cold_blocks: int = 0, donate=False) -> tuple:
         """Make returned capacity allocatable: recycle PREEMPTED slots (`seq_ids`, default all)
-        into free slots. Reports what it moved. (Cold cached blocks already count as free
-        capacity and are reused least recently used by every allocation; the block-level means
-        never leave partly filled blocks except each sequence's tail, so there is nothing to
-        compact.)"""
+        into free slots, and drop up to `cold_blocks` cold cached blocks from the prefix cache,
+        least recently used first (they are already free capacity; dropping them only forgets
+        their content). Reports what it moved. (The block-level means never leave partly
+        filled blocks except each sequence's tail, so there is nothing to compact.)"""
         self._check_state(state)
+        cold = int_scalar("cold_blocks", cold_blocks, InvalidArgumentError)
+        if cold < 0:
+            raise InvalidArgumentError(f"cold_blocks must be >= 0, got {cold}")
         status = np.asarray(state.seqs.seq_status)
         if seq_ids is None:
             rows = np.flatnonzero(status == SEQ_PREEMPTED).astype(np.int32)
         else:
             rows, _ = self._batch(state, seq_ids, "rebalance", (SEQ_PREEMPTED,))
             rows = rows[rows != INVALID]
-        if not len(rows):
-            return state, dict(recycled_slots=0)
-        state, _ = core.run("recycle", self.config, state, pad(rows, bucket(len(rows))),
-                            donate=donate)
-        return state, dict(recycled_slots=int(len(rows)))
+        moved = dict(recycled_slots=int(len(rows)), cold_blocks_dropped=0)
+        if len(rows):
+            state, _ = core.run("recycle", self.config, state, pad(rows, bucket(len(rows))),
+                                donate=donate)
+            donate = True
+        if cold:
+            state, rep = self.drop_cold(state, cold, donate=donate)
+            moved["cold_blocks_dropped"] = int(rep.dropped_blocks)
+        return state, moved
 
     # ---- plan --------------------------------------------------------------------------------
     def _capacity(self, state) -> np.ndarray:
@@ -208,7 +215,7 @@ class ReclaimOps:
             elif step.means == "release":
                 run(self.release_tenant, req.tenant, unpin=True)
             steps.append(self._measured(step, before, self._meter(state, victims)))
-        rebalance = dict(recycled_slots=0)
+        rebalance = dict(recycled_slots=0, cold_blocks_dropped=0)
         if pol.rebalance and preempted:
             state, rebalance = self.rebalance(state, seq_ids=np.asarray(preempted, np.int32),
                                               donate=step_donate())

@@ -259,7 +259,26 @@ def test_preempt_archives_tokens_and_rebalance_recycles_the_slot():
         alloc.append(s2, [0, INVALID], [1, 0])
     s3, moved = alloc.rebalance(s2)
     alloc.check(s3)
-    assert moved == {"recycled_slots": 1} and int(s3.seqs.seq_status[0]) == SEQ_FREE
+    assert moved == {"recycled_slots": 1, "cold_blocks_dropped": 0}
+    assert int(s3.seqs.seq_status[0]) == SEQ_FREE
+
+
+def test_rebalance_drops_cold_blocks_lru_and_keeps_capacity():
+    cfg = dataclasses.replace(CFG, keep_cold_blocks=True)
+    alloc, s = fresh(cfg, tenants=((100, 16 * BLOCK, 1), (100, 16 * BLOCK, 1),
+                                   (100, 16 * BLOCK, None)))
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5]), (2, [6, 6, 6, 6, 6])]))
+    s, _ = alloc.free(s, [0])  # t0's 2 full blocks go cold first (the tail to the free list)
+    s, _ = alloc.free(s, [1])  # then t2's
+    alloc.check(s)
+    cap = alloc.allocatable_blocks(s).tolist()
+    s2, moved = alloc.rebalance(s, cold_blocks=2)
+    alloc.check(s2)
+    assert moved == {"recycled_slots": 0, "cold_blocks_dropped": 2}
+    assert alloc.allocatable_blocks(s2).tolist() == cap
+    # The least recently used (t0's) left the cache; t2's next turn still hits its blocks.
+    _, adm = alloc.admit(s2, *prompts([(2, [6, 6, 6, 6, 6]), (0, [1, 2, 3, 4, 5])]))
+    assert adm.cached_tokens.tolist() == [4, 0]
 
 
 def test_idle_resume_and_appends():
