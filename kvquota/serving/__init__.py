@@ -16,3 +16,13 @@ __all__ = [
     "scoring_state_config", "Sampling", "sample_tokens", "CachePolicy", "cache_bytes_by_pool",
     "generate_streaming", "score_streaming",
 ]
+
+# ---- the multi-tenant scheduler (issue #11) ------------------------------------------------------
+from kvquota.serving.executors import CostModelExecutor, ModelExecutor, StepBatch, StepOutput
+from kvquota.serving.metrics import Event, JsonLines, Request, Session, read_json_lines
+from kvquota.serving.scheduler import Scheduler
+
+__all__ += [
+    "CostModelExecutor", "ModelExecutor", "StepBatch", "StepOutput", "Event", "JsonLines",
+    "Request", "Session", "read_json_lines", "Scheduler",
+]

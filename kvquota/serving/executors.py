@@ -1,0 +1,387 @@
+"""Step executors of the serving scheduler: one jitted call and one small readback per step.
+
+A step is the decode rows (each appends its pending token, runs the model on it and samples the
+next) plus the prefill rows (a chunk of each one's context written into its pages; a row whose
+chunk ends its context samples its first token). `kvquota.serving.scheduler.Scheduler` builds the
+step as host arrays (`StepBatch`, fixed padded shapes so each executor compiles a handful of
+variants), and an executor runs it:
+
+  * `ModelExecutor`: the real model over the state's pages. Append (the allocator's core, validated
+    by the scheduler against its host mirror, not by the facade), the decode forward, the prefill
+    forward and sampling are fused in one jitted call that donates the state.
+  * `CostModelExecutor`: a metadata-only state; the same append, no model. Its step time is
+    modelled: weights and KV bytes read over the HBM bandwidth, prefill tokens at a prefill rate,
+    host transfers over the host bandwidth (H200 defaults).
+
+Both read back one int32 vector per step: the sampled tokens, the append outcome and the ledger
+columns the metrics need (charged blocks per tenant and pool, used tokens, free blocks), so the
+scheduler's per-step host work is O(batch + tenants), never O(pool). `syncs` counts the readbacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs.models import ModelConfig
+from kvquota.core.admission import append as append_core
+from kvquota.core.scatter import clip
+from kvquota.codes import SEQ_FREE, SEQ_RUNNING
+from kvquota.errors import ConfigMismatchError, InvalidArgumentError, InvariantError
+from kvquota.model.decoder import Decoder
+from kvquota.sentinel import INVALID
+from kvquota.serving.engine import _paged_forward
+from kvquota.serving.sampling import Sampling
+from kvquota.state import StateConfig, pool_of
+
+# H200 SXM: 4.8 TB/s HBM3e, ~989 TFLOP/s dense bf16; host link: StateConfig.host_bandwidth.
+H200_HBM_BANDWIDTH = 4.8e12
+H200_BF16_FLOPS = 989e12
+
+
+def bucket(n: int, cap: int, floor: int = 16) -> int:
+    """A power of two >= n (at least `floor`, at most `cap`): one compile per bucket."""
+    return min(cap, max(floor, 1 << max(0, n - 1).bit_length()))
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """One step's rows, as host arrays of fixed padded shapes (INVALID rows are padding).
+
+    dec_seq/dec_tok/dec_key: i32[Bd], i32[Bd], i32[Bd, 2]: decode rows, the pending token each
+      appends, and its sampling key (request id, index of the token sampled).
+    pre_seq/pre_start/pre_num/pre_key: i32[Bp] x 3, i32[Bp, 2]: prefill rows, the cache index of
+      their chunk's first token, its real length, and the key of the token sampled after it.
+    pre_tok/pre_pos: i32[Bp, T]: the chunk's token ids and their logical (RoPE) positions.
+    host_bytes: bytes moved over the host link since the last step (restores, offloads).
+    """
+
+    dec_seq: np.ndarray
+    dec_tok: np.ndarray
+    dec_key: np.ndarray
+    pre_seq: np.ndarray
+    pre_tok: np.ndarray
+    pre_start: np.ndarray
+    pre_num: np.ndarray
+    pre_pos: np.ndarray
+    pre_key: np.ndarray
+    host_bytes: int = 0
+
+    @property
+    def has_prefill(self) -> bool:
+        return bool((self.pre_seq >= 0).any())
+
+    @property
+    def prefill_tokens(self) -> int:
+        return int(np.where(self.pre_seq >= 0, self.pre_num, 0).sum())
+
+
+class HostMirror:
+    """The scheduler's host copy of every slot's cached length, logical position, status and
+    tenant (i32[S] / i8[S] NumPy arrays), kept exact by the scheduler after each op, and
+    re-read from the state (one sync, O(slots)) after ops it does not model (reclaims)."""
+
+    def __init__(self, state):
+        self.refresh(state)
+
+    def refresh(self, state):
+        s = state.seqs
+        got = jax.device_get((s.seq_lens, s.positions, s.seq_status, s.seq_tenant))
+        self.length, self.position, self.status, self.tenant = (np.array(a) for a in got)
+
+    def set(self, seqs, *, length=0, status=SEQ_FREE, tenant=INVALID):
+        for q in seqs:
+            self.length[q] = self.position[q] = length
+            self.status[q], self.tenant[q] = status, tenant
+
+    def check_decode(self, config: StateConfig, seqs):
+        """What the facade's append would check, on the mirror: RUNNING, table not full,
+        position inside the model's context, each row once."""
+        seqs = np.asarray(seqs, np.int32)
+        ok = ((self.status[seqs] == SEQ_RUNNING).all() and len(set(seqs.tolist())) == len(seqs)
+              and (self.length[seqs] < config.max_tokens_per_seq).all()
+              and (self.position[seqs] < config.model.max_context).all())
+        if not ok:
+            raise InvariantError(["decode rows the host mirror does not allow: "
+                                  f"{seqs.tolist()}"])
+
+
+def compose_step(executor, live, token_budget: int, mirror: HostMirror, host_bytes: int = 0):
+    """(StepBatch or None, decode requests, [(prefill request, chunk length)]) for this step:
+    every running request (oldest first, up to max_batch) decodes one token; the rest of the
+    token budget goes to prefill chunks, oldest admission first, at most chunk_size each."""
+    dec = [r for r in live if r.status == "running"][: executor.max_batch]
+    budget, pre = token_budget - len(dec), []
+    for r in sorted((r for r in live if r.status == "prefill"), key=lambda q: q.admitted):
+        if len(pre) == executor.prefill_rows or budget < 1:
+            break
+        pre.append((r, min(len(r.context) - r.prefilled, executor.chunk_size, budget)))
+        budget -= pre[-1][1]
+    if not dec and not pre:
+        return None, dec, pre
+    return build_batch(executor, dec, pre, mirror, host_bytes), dec, pre
+
+
+def build_batch(executor, dec, pre, mirror: HostMirror, host_bytes: int = 0) -> StepBatch:
+    """The StepBatch of decode requests `dec` and prefill (request, chunk length) pairs `pre`,
+    padded to the executor's fixed shapes, checked against the host mirror (the chunk's RoPE
+    positions start at the slot's position - length)."""
+    mirror.check_decode(executor.state_config, [r.seq for r in dec])
+    m_len, m_pos = mirror.length, mirror.position
+    bd, bp = executor.max_batch, executor.prefill_rows
+    width = executor.chunk_width(max((n for _, n in pre), default=1))
+    b = StepBatch(np.full(bd, INVALID, np.int32), np.zeros(bd, np.int32),
+                  np.zeros((bd, 2), np.int32), np.full(bp, INVALID, np.int32),
+                  np.zeros((bp, width), np.int32), np.zeros(bp, np.int32),
+                  np.zeros(bp, np.int32), np.zeros((bp, width), np.int32),
+                  np.zeros((bp, 2), np.int32), host_bytes)
+    for i, r in enumerate(dec):
+        b.dec_seq[i], b.dec_tok[i], b.dec_key[i] = r.seq, r.tokens[-1], (r.id, len(r.tokens))
+    for i, (r, n) in enumerate(pre):
+        b.pre_seq[i], b.pre_start[i], b.pre_num[i] = r.seq, r.prefilled, n
+        b.pre_tok[i, :n] = r.context[r.prefilled: r.prefilled + n]
+        b.pre_pos[i] = m_pos[r.seq] - m_len[r.seq] + r.prefilled + np.arange(width)
+        b.pre_key[i] = (r.id, len(r.tokens))
+    return b
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one step read back (host arrays) and how long it took.
+
+    dec_next i32[Bd], appended bool[Bd], reason i32[Bd] (kvquota.codes), pre_next i32[Bp];
+    charged i32[T, POOLS], used_tokens i32[T], free_blocks i32[POOLS] after the step;
+    block_reads i32[POOLS]: table entries the step's rows attend over (cost model only, else 0).
+    seconds: wall time (ModelExecutor) or modelled time (CostModelExecutor).
+    """
+
+    dec_next: np.ndarray
+    appended: np.ndarray
+    reason: np.ndarray
+    pre_next: np.ndarray
+    charged: np.ndarray
+    used_tokens: np.ndarray
+    free_blocks: np.ndarray
+    block_reads: np.ndarray
+    seconds: float
+
+
+def _ledger_tail(config: StateConfig, state, reads):
+    return [state.tenants.charged_blocks.ravel(), state.tenants.used_tokens,
+            state.free.free_count, reads]
+
+
+def _unpack(config: StateConfig, flat: np.ndarray, bd: int, bp: int, seconds: float) -> StepOutput:
+    t, pools = config.num_tenants, config.num_pools
+    at = [0]
+
+    def take(n):
+        at[0] += n
+        return flat[at[0] - n: at[0]]
+
+    return StepOutput(dec_next=take(bd), appended=take(bd).astype(bool), reason=take(bd),
+                      pre_next=take(bp), charged=take(t * pools).reshape(t, pools),
+                      used_tokens=take(t), free_blocks=take(pools), block_reads=take(pools),
+                      seconds=seconds)
+
+
+def _sample(logits, keys, *, temperature: float, top_k: int, seed: int):
+    """Next token per row: greedy, or drawn with the row's own key fold_in(fold_in(key(seed),
+    request), index), so a replayed request draws what it drew before."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    base = jax.random.key(seed)
+
+    def one(row, key):
+        k = jax.random.fold_in(jax.random.fold_in(base, key[0]), key[1])
+        scaled = row.astype(jnp.float32) / temperature
+        if top_k:
+            scaled = jnp.where(scaled >= jax.lax.top_k(scaled, top_k)[0][-1], scaled, -jnp.inf)
+        return jax.random.categorical(k, scaled).astype(jnp.int32)
+
+    return jax.vmap(one)(logits, keys)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "config", "pool_starts", "sampling",
+                                             "prefill"), donate_argnames=("state",))
+def _model_step(model, params, state, dec_seq, dec_tok, dec_key, pre_seq, pre_tok, pre_start,
+                pre_num, pre_pos, pre_key, *, config, pool_starts, sampling, prefill):
+    """Append + decode forward + sample, and (static `prefill`) a prefill forward + sample, in
+    one call that donates `state`. Returns (state, i32 vector: see `_unpack`)."""
+    valid = dec_seq >= 0
+    at = clip(dec_seq)
+    start = jnp.where(valid, state.seqs.seq_lens[at], 0)  # cache index of the appended token
+    position = jnp.where(valid, state.seqs.positions[at], 0)
+    state, rep = append_core(config, state, dec_seq, dec_tok)
+    rows = jnp.where(rep.appended, dec_seq, INVALID)
+    state, logits = _paged_forward(model, params, state, rows, dec_tok[:, None], start,
+                                   rep.appended.astype(jnp.int32), position[:, None],
+                                   last_only=True, pool_starts=pool_starts)
+    knobs = dict(temperature=sampling.temperature, top_k=sampling.top_k, seed=sampling.seed)
+    parts = [_sample(logits, dec_key, **knobs), rep.appended.astype(jnp.int32), rep.reason]
+    if prefill:
+        state, plogits = _paged_forward(model, params, state, pre_seq, pre_tok, pre_start,
+                                        pre_num, pre_pos, last_only=True,
+                                        pool_starts=pool_starts)
+        parts.append(_sample(plogits, pre_key, **knobs))
+    else:
+        parts.append(jnp.zeros(pre_seq.shape, jnp.int32))
+    reads = jnp.zeros((config.num_pools,), jnp.int32)
+    return state, jnp.concatenate(parts + _ledger_tail(config, state, reads))
+
+
+def _fake_tokens(keys, vocab: int):
+    """Deterministic stand-in tokens of the cost model: a hash of (request, index) mod vocab."""
+    k = keys.astype(jnp.uint32)
+    h = k[:, 0] * jnp.uint32(2654435761) ^ (k[:, 1] + jnp.uint32(0x9E3779B9)) * jnp.uint32(40503)
+    return (h % jnp.uint32(vocab)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def _cost_step(state, dec_seq, dec_tok, dec_key, pre_seq, pre_key, *, config):
+    """The cost model's step: append only, plus the table entries every row attends over,
+    counted per pool (what the modelled KV read is made of). O(batch x MB) work."""
+    state, rep = append_core(config, state, dec_seq, dec_tok)
+    rows = jnp.concatenate([jnp.where(rep.appended, dec_seq, INVALID), pre_seq])
+    tables = jnp.where((rows >= 0)[:, None], state.seqs.block_tables[clip(rows)], INVALID)
+    entries = tables >= 0
+    pools = jnp.where(entries, pool_of(config, clip(tables)), config.num_pools)
+    reads = jax.ops.segment_sum(entries.astype(jnp.int32).ravel(), pools.ravel(),
+                                num_segments=config.num_pools + 1)[:-1]
+    vocab = config.model.vocab_size
+    parts = [_fake_tokens(dec_key, vocab), rep.appended.astype(jnp.int32), rep.reason,
+             _fake_tokens(pre_key, vocab)]
+    return state, jnp.concatenate(parts + _ledger_tail(config, state, reads))
+
+
+class _Executor:
+    """Shapes and sync counting shared by both executors.
+
+    Args (both): max_batch: decode rows per step (default: every sequence slot); prefill_rows:
+    prefill rows per step; chunk_size: the longest prefill chunk (tokens per row per step).
+    """
+
+    def __init__(self, state_config: StateConfig, *, max_batch=None, prefill_rows=4,
+                 chunk_size=128, sampling: Sampling = Sampling()):
+        if not isinstance(state_config, StateConfig):
+            raise InvalidArgumentError("state_config must be a kvquota StateConfig")
+        self.state_config = state_config
+        self.max_batch = state_config.max_seqs if max_batch is None else int(max_batch)
+        self.prefill_rows, self.chunk_size = int(prefill_rows), int(chunk_size)
+        if not (1 <= self.max_batch <= state_config.max_seqs and self.prefill_rows >= 1
+                and self.chunk_size >= 1):
+            raise InvalidArgumentError(
+                f"need 1 <= max_batch ({self.max_batch}) <= max_seqs ({state_config.max_seqs}), "
+                f"prefill_rows >= 1 ({self.prefill_rows}) and chunk_size >= 1 ({self.chunk_size})")
+        if not isinstance(sampling, Sampling):
+            raise InvalidArgumentError("sampling must be a kvquota Sampling")
+        self.sampling = sampling
+        self.syncs = 0  # device-to-host readbacks made by step()
+
+    def chunk_width(self, longest: int) -> int:
+        """The padded chunk width T for a step whose longest chunk is `longest` tokens."""
+        return bucket(longest, self.chunk_size, floor=min(16, self.chunk_size))
+
+    def _read(self, array) -> np.ndarray:
+        self.syncs += 1
+        return np.asarray(jax.device_get(array))
+
+
+class ModelExecutor(_Executor):
+    """The real model (kvquota.model.Decoder) over the pages of `state_config`'s state.
+
+    Args: config and params: the model and its weights; backend: the paged-attention backend
+    ("auto": Pallas on GPU, the plain-JAX reference on CPU); see `_Executor` for the rest.
+    """
+
+    cost_model = False
+
+    def __init__(self, config: ModelConfig, params, state_config: StateConfig, *,
+                 backend: str = "auto", **kwargs):
+        super().__init__(state_config, **kwargs)
+        if state_config.model != config:
+            raise ConfigMismatchError(f"state_config.model is {state_config.model.name!r}, the "
+                                      f"model is {config.name!r}")
+        if not state_config.with_pages:
+            raise InvalidArgumentError("ModelExecutor needs a state with pages (with_pages=True)")
+        self.config = config
+        self.params = jax.device_put(params)
+        self.model = Decoder(config, backend=backend)
+        self.pool_starts = state_config.pool_starts[: 1 + len(state_config.compressed_pools)]
+
+    def step(self, state, batch: StepBatch):
+        """Runs one step (donates `state`) -> (state, StepOutput). One readback."""
+        start = time.perf_counter()
+        state, flat = _model_step(
+            self.model, self.params, state, batch.dec_seq, batch.dec_tok, batch.dec_key,
+            batch.pre_seq, batch.pre_tok, batch.pre_start, batch.pre_num, batch.pre_pos,
+            batch.pre_key, config=self.state_config, pool_starts=self.pool_starts,
+            sampling=self.sampling, prefill=batch.has_prefill)
+        flat = self._read(flat)
+        return state, _unpack(self.state_config, flat, len(batch.dec_seq), len(batch.pre_seq),
+                              time.perf_counter() - start)
+
+
+def weight_count(config: ModelConfig) -> int:
+    """Parameters of a Qwen2/Llama decoder of this shape (embeddings once if tied)."""
+    h, d, f = config.hidden_size, config.head_dim, config.ffn_size
+    q, kv = config.num_q_heads * d, config.num_kv_heads * d
+    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if config.qkv_bias else 0)
+    layer = attn + 3 * h * f + 2 * h
+    head = 0 if config.tie_embeddings else config.vocab_size * h
+    return config.vocab_size * h + config.num_layers * layer + h + head
+
+
+class CostModelExecutor(_Executor):
+    """A metadata-only state under a modelled step time (no model runs).
+
+    step seconds = (weight_bytes + KV bytes read) / hbm_bandwidth       (one forward pass)
+                 + prefill tokens / prefill_tokens_per_s                (recompute included)
+                 + host bytes moved / host_bandwidth                    (restores, offloads)
+                 + step_overhead_s.
+    KV bytes read: every table entry a row attends over, at its pool's bytes per block.
+    Defaults: H200 HBM bandwidth; bf16 weights of the state's model; the state config's host
+    bandwidth; prefill at `mfu` of the H200's dense bf16 FLOP/s, 2 FLOPs per weight per token.
+    Sampled tokens are a hash of (request, index): requests end at max_new_tokens.
+    """
+
+    cost_model = True
+
+    def __init__(self, state_config: StateConfig, *, hbm_bandwidth: float = H200_HBM_BANDWIDTH,
+                 host_bandwidth: float | None = None, weight_bytes: int | None = None,
+                 prefill_tokens_per_s: float | None = None, mfu: float = 0.5,
+                 peak_flops: float = H200_BF16_FLOPS, step_overhead_s: float = 0.0, **kwargs):
+        super().__init__(state_config, **kwargs)
+        weights = weight_count(state_config.model)
+        self.hbm_bandwidth = float(hbm_bandwidth)
+        self.host_bandwidth = float(host_bandwidth or state_config.host_bandwidth)
+        self.weight_bytes = 2 * weights if weight_bytes is None else int(weight_bytes)
+        self.prefill_tokens_per_s = (mfu * peak_flops / (2 * weights)
+                                     if prefill_tokens_per_s is None else prefill_tokens_per_s)
+        self.step_overhead_s = float(step_overhead_s)
+        if min(self.hbm_bandwidth, self.host_bandwidth, self.prefill_tokens_per_s) <= 0 or \
+                self.weight_bytes < 0 or self.step_overhead_s < 0:
+            raise InvalidArgumentError("bandwidths and the prefill rate must be > 0; weight "
+                                       "bytes and the step overhead >= 0")
+
+    def modelled_seconds(self, block_reads, prefill_tokens: int, host_bytes: int) -> float:
+        kv = int((np.asarray(block_reads, np.int64) * np.asarray(self.state_config.pool_bytes,
+                                                                 np.int64)).sum())
+        return ((self.weight_bytes + kv) / self.hbm_bandwidth
+                + prefill_tokens / self.prefill_tokens_per_s
+                + host_bytes / self.host_bandwidth + self.step_overhead_s)
+
+    def step(self, state, batch: StepBatch):
+        """Runs one step (donates `state`) -> (state, StepOutput). One readback."""
+        state, flat = _cost_step(state, batch.dec_seq, batch.dec_tok, batch.dec_key,
+                                 batch.pre_seq, batch.pre_key, config=self.state_config)
+        flat = self._read(flat)
+        out = _unpack(self.state_config, flat, len(batch.dec_seq), len(batch.pre_seq), 0.0)
+        out.seconds = self.modelled_seconds(out.block_reads, batch.prefill_tokens,
+                                            batch.host_bytes)
+        return state, out

@@ -1,0 +1,415 @@
+"""A multi-tenant serving scheduler: continuous batching over the functional state, with reclaim
+events while requests decode (DESIGN.md §1.6, §2 "Life of a request"). Each `step()` (1) frees
+last step's finished sequences (a session's turn goes IDLE, KV kept); (2) runs this step's events:
+a quota cut / lease expiry is plan_reclaim -> apply_plan, whose fates reach the requests
+(suspended ones are restored from host once room is back, preempted ones go to the front of their
+tenant's queue and are re-admitted, prefix-cache hits first, the rest recomputed by chunked
+prefill); a new tenant registers (and may make room), a burst submits requests (and may change
+quotas: a top-up); (3) admits queued requests (per-tenant FIFO, resumes first) in one facade
+call; (4) runs one executor step (kvquota.serving.executors: one jitted call and one readback,
+validated against the host mirror instead of the facade): every running request decodes a token,
+prefilling ones get chunks under the token budget; (5) records the step (serving.metrics).
+
+An append refused for quota (pool) preempts the tenant's (batch's) newest running request, as
+vLLM does; a request alone and still refused ends with the reason. Every request ends finished
+(`finish` says why), refused (with the reason), or is still queued. Facade calls donate the state.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from kvquota.allocator import Allocator
+from kvquota.codes import (FATE_COMPRESSED, FATE_EVICTED, FATE_PREEMPTED, FATE_RELEASED,
+                           FATE_SUSPENDED, INT32_MAX, REASONS, REFUSED_BYTE_QUOTA,
+                           REFUSED_GROWING, REFUSED_POOL_FULL, REFUSED_SEQ_FULL,
+                           REFUSED_TOKEN_QUOTA, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING,
+                           SEQ_SUSPENDED)
+from kvquota.errors import (InvalidArgumentError, KVQuotaError, PoolFullError,
+                            QuotaExceededError)
+from kvquota.reclaim.plan import get_reclaim_policy
+from kvquota.sentinel import INVALID
+from kvquota.serving import metrics
+from kvquota.serving.executors import HostMirror, bucket, compose_step
+from kvquota.serving.metrics import Event, Request
+
+_QUOTA_REFUSALS = (REFUSED_TOKEN_QUOTA, REFUSED_BYTE_QUOTA, REFUSED_GROWING)
+_ROOMY = ("free", "preempt", "apply_plan", "set_quota", "register_tenant")  # may make room
+
+
+class Scheduler(metrics.Intake):
+    """Continuous batching of many tenants' requests over one state (see the module docstring).
+
+    Args: executor: a ModelExecutor or CostModelExecutor (its state_config is the state's);
+    state: the state to serve (default: a fresh one; the scheduler owns it); policy: the default
+    reclaim policy (a kvquota.reclaim preset name or ReclaimPolicy); token_budget: tokens per
+    step, one per decode row and the rest for prefill chunks; max_admit: rows per admit call;
+    events: Events, run at their steps; drift_every / check_every: every n steps (0: never)
+    measure the ledger drift / run check_invariants (O(pool) host work); on_step / on_event:
+    callables receiving each step / event record.
+    """
+
+    def __init__(self, executor, *, state=None, policy="tiered", token_budget: int = 256,
+                 max_admit: int = 4, events: Sequence[Event] = (), drift_every: int = 0,
+                 check_every: int = 0, on_step=None, on_event=None):
+        self.executor, self.config = executor, executor.state_config
+        self.alloc = Allocator(self.config)
+        self.state = self.alloc.init() if state is None else state
+        self.policy = get_reclaim_policy(policy)
+        if min(token_budget, max_admit) < 1 or min(drift_every, check_every) < 0:
+            raise InvalidArgumentError("token_budget and max_admit must be >= 1, drift_every and "
+                                       "check_every >= 0")
+        if not all(isinstance(e, Event) for e in events):
+            raise InvalidArgumentError("events must be kvquota.serving.Event objects")
+        self.token_budget, self.max_admit = int(token_budget), int(max_admit)
+        self.drift_every, self.check_every = int(drift_every), int(check_every)
+        self.on_step, self.on_event = on_step, on_event
+        self.events = sorted(events, key=lambda e: e.step)
+        self.t, self.syncs, self._ev, self._stamp, self.drift_max = 0, 0, 0, 0, 0
+        self.facade_calls, self.parked = 0, set()
+        self.requests, self.pending, self.live, self.sessions = [], [], [], []
+        self.queues = collections.defaultdict(collections.deque)
+        self.by_seq, self.idle_of, self.tenants = {}, {}, {}
+        self.counters, self.event_log, self.records = metrics.Counters(), [], []
+        self._release, self._dirty, self._progress, self._host_bytes = [], False, False, 0
+        self.m = HostMirror(self.state)
+
+    # ---- tenants and requests ----------------------------------------------------------------
+    def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
+                        share_group: Optional[int] = None, lease_expiry: int = INT32_MAX):
+        report = self._op("register_tenant", tenant, token_quota=token_quota,
+                          byte_quota=byte_quota, share_group=share_group,
+                          lease_expiry=lease_expiry)
+        self.tenants[int(tenant)] = dict(group=share_group, expired=False)
+        return report
+
+    # ---- the step ----------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:  # nothing pending, queued, live, to free, or to happen
+        return not (self.pending or self.live or self._release or self._ev < len(self.events)
+                    or any(self.queues.values()))
+
+    def run(self, max_steps: Optional[int] = None, progress: bool = False) -> dict:
+        """Step until every request is done, nothing can change any more, or max_steps; a tqdm
+        progress bar on stderr with `progress`. Returns the summary."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=max_steps, disable=not progress, unit="step", leave=False)
+        while not self.done and (max_steps is None or self.t < max_steps):
+            rec = self.step()
+            bar.update(1)
+            bar.set_postfix(running=rec["running"], queued=sum(rec["queue"].values()),
+                            preempted=rec["preemptions_total"], refresh=False)
+            if not (self._progress or self.pending or self._ev < len(self.events)):
+                break  # stalled: nothing ran, arrives or happens any more
+        bar.close()
+        self._free_finished()
+        return self.summary()
+
+    def step(self) -> dict:
+        marks = (time.perf_counter(), self.syncs, self.executor.syncs, self.facade_calls)
+        self.counters.new_step()
+        self._host_bytes, self._progress = 0, bool(self._release)
+        self._free_finished()
+        kinds = []
+        while self._ev < len(self.events) and self.events[self._ev].step <= self.t:
+            self._ev += 1
+            kinds.append(self._event(self.events[self._ev - 1]))
+        self._arrivals()
+        self._restore_suspended()
+        self._admit()
+        batch, dec, pre = compose_step(self.executor, self.live, self.token_budget, self.m,
+                                       self._host_bytes)
+        out, self._dirty = None, False
+        if batch is not None:
+            self.state, out = self.executor.step(self.state, batch)
+            self._progress = True
+            self._absorb(out, dec, pre)
+        charged = out.charged if out is not None and not self._dirty else self._read(
+            self.state.tenants.charged_blocks)
+        rec = self._record(out, dec, pre, charged, kinds, marks)
+        self.t += 1
+        return rec
+
+    def _op(self, name: str, *args, **kwargs):
+        """One facade call on the state, donated; returns its report (counted per step)."""
+        self.facade_calls += 1
+        if name in _ROOMY:
+            self.parked.clear()
+        self.state, report = getattr(self.alloc, name)(self.state, *args, donate=True, **kwargs)
+        return report
+
+    def _read(self, tree):
+        self.syncs += 1
+        return jax.device_get(tree)
+
+    def _free_finished(self):
+        """Free last step's finished sequences; a session's turn goes IDLE and its next turn
+        is submitted (it arrives `gap` steps later)."""
+        done, self._release = self._release, []
+        idle = [r for r in done if r.session is not None and not r.session.ended
+                and r.turn + 1 < len(r.session.turns)]
+        free = [r.seq for r in done if r not in idle]
+        if free:
+            self._op("free", np.asarray(free, np.int32))
+            self.m.set(free)
+        if idle:
+            self._op("set_idle", np.asarray([r.seq for r in idle], np.int32))
+        for r in idle:
+            s = r.session
+            s.idle_seq, self.m.status[r.seq], self.idle_of[r.seq] = r.seq, SEQ_IDLE, s
+            try:
+                self._turn(s, r.turn + 1, r.prompt + r.tokens + list(s.turns[r.turn + 1]),
+                           self.t + s.gap)
+            except KVQuotaError:  # the conversation outgrew the table or the context
+                s.ended = True
+        for r in done:
+            self.by_seq.pop(r.seq, None)
+            r.seq = INVALID
+
+    # ---- events ------------------------------------------------------------------------------
+    def _event(self, ev: Event):
+        self._progress = True
+        rec = {"step": self.t, "kind": ev.kind, "tenant": ev.tenant,
+               "ledger_before": metrics.ledger_table(self.alloc.ledger(self.state))}
+        if ev.kind == "new_tenant":
+            self.register_tenant(ev.tenant, token_quota=ev.token_quota or INT32_MAX,
+                                 byte_quota=ev.byte_quota or 0, share_group=ev.share_group)
+        elif ev.kind == "burst" and (ev.byte_quota is not None or ev.token_quota is not None):
+            self._op("set_quota", ev.tenant, byte_quota=ev.byte_quota,
+                     token_quota=ev.token_quota)
+        request = ev.reclaim_request()
+        if request is not None:
+            policy = self.policy if ev.policy is None else get_reclaim_policy(ev.policy)
+            plan = self.alloc.plan_reclaim(self.state, request, policy, now=self.t)
+            report = self._op("apply_plan", plan)
+            rec.update(plan=plan.summary(), plan_text=str(plan), report=report.summary())
+            self._fates(report, ev)
+        for r in ev.requests:
+            r.arrival = self.t
+            self.submit(r)
+        rec["ledger_after"] = metrics.ledger_table(self.alloc.ledger(self.state))
+        self.event_log.append(rec)
+        if self.on_event is not None:
+            self.on_event(rec)
+        return ev.kind
+
+    def _fates(self, report, ev: Event):
+        """Apply a reclaim's fates to the requests and sessions whose sequences it touched."""
+        self.syncs += 1
+        self.m.refresh(self.state)
+        archives = {a.seq: a.token_ids for a in report.archives}
+        for f in report.fates:
+            r, s = self.by_seq.get(f.seq), self.idle_of.get(f.seq)
+            if r is not None and f.fate == FATE_PREEMPTED:
+                self._requeue(r, archives[f.seq])
+            elif r is not None and f.fate == FATE_SUSPENDED:
+                r.was, r.status, r.suspensions = r.status, "suspended", r.suspensions + 1
+                self.counters.add("suspensions")
+            elif r is not None and f.fate == FATE_RELEASED:
+                self.live.remove(r)
+                self.by_seq.pop(f.seq)
+                r.seq, r.status, r.finish, r.finished_step = (INVALID, "finished",
+                                                              f"released: {ev.kind}", self.t)
+            elif r is not None and f.fate in (FATE_COMPRESSED, FATE_EVICTED):
+                r.lossy = True
+            elif s is not None and f.fate in (FATE_PREEMPTED, FATE_RELEASED):
+                s.idle_seq = INVALID  # the next turn recomputes (or the session ends)
+                self.idle_of.pop(f.seq)
+                s.ended = s.ended or f.fate == FATE_RELEASED
+        left = np.flatnonzero(self.m.status == SEQ_PREEMPTED).astype(np.int32)
+        if len(left):  # slots the plan did not recycle (a policy without rebalance)
+            self._op("rebalance", seq_ids=left)
+            self.m.set(left)
+        if ev.kind == "lease_expiry":
+            self.tenants[ev.tenant]["expired"] = True
+            while self.queues[ev.tenant]:
+                self._refuse(self.queues[ev.tenant].popleft(), "lease expired")
+            for s in self.sessions:
+                s.ended = s.ended or s.tenant == ev.tenant
+
+    def _requeue(self, r: Request, archived):
+        """A preempted request: its archive must be what the scheduler sent to the cache; it
+        goes to the front of its tenant's queue, to be re-admitted with prompt + tokens."""
+        metrics.check_archive(r, archived)
+        self.live.remove(r)
+        self.by_seq.pop(r.seq)
+        r.seq, r.status, r.prefilled, r.resuming = INVALID, "queued", 0, True
+        r.context, r.preemptions = r.prompt + r.tokens, r.preemptions + 1
+        self.counters.add("preemptions")
+        self.queues[r.tenant].appendleft(r)
+
+    def _preempt(self, reqs):
+        """Preempt running requests (the scheduler's choice: an append ran out of room)."""
+        seqs = np.asarray([r.seq for r in reqs], np.int32)
+        report = self._op("preempt", seqs)
+        self.syncs += 1
+        archived = {seq: tok for seq, _, tok, _ in report.archives()}
+        for r in sorted(reqs, key=lambda q: -q.admitted):  # the oldest ends up in front
+            self._requeue(r, archived[r.seq])
+        self._op("rebalance", seq_ids=seqs)
+        self.m.set(seqs)
+        self._dirty = True
+
+    # ---- admission ---------------------------------------------------------------------------
+    def _restore(self, seq: int, r: Request, idle: bool = False) -> bool:
+        """Bring a suspended sequence back from host (an IDLE one stays IDLE) if pool 0 and
+        the quota have room."""
+        try:
+            rep = self._op("restore", np.asarray([seq], np.int32))
+        except (PoolFullError, QuotaExceededError):
+            return False
+        if idle:
+            self._op("set_idle", np.asarray([seq], np.int32))
+        moved = int(self._read(rep.moved_blocks).sum()) * self.config.pool_bytes[0]
+        r.resume_bytes += moved
+        self.counters.add("resume_bytes_paid", moved)
+        self._host_bytes += moved
+        self.m.status[seq], self._progress = SEQ_IDLE if idle else SEQ_RUNNING, True
+        return True
+
+    def _restore_suspended(self):
+        for r in [q for q in self.live if q.status == "suspended"]:
+            if not self._restore(r.seq, r):
+                break  # FIFO: nothing overtakes the oldest suspended request
+            r.status = r.was
+
+    def _admit(self):
+        """One admit call for up to max_admit queued requests: per-tenant FIFO (resumes and a
+        session's next turn, whose KV is held, at the front), tenants interleaved by (those
+        first, arrival, id). A tenant refused stays parked until something frees room."""
+        heads = sorted((r for q in self.queues.values() for r in list(q)[: self.max_admit]),
+                       key=lambda r: (not (r.resuming or r.turn), r.arrival, r.id))
+        rows, blocked = [], set(self.parked)
+        for r in heads:
+            if len(rows) == self.max_admit or r.tenant in blocked:
+                continue
+            g = self.tenants[r.tenant]["group"]  # same salt: same tenant or share group
+            if metrics.hits_unwritten(self.config.block_size, r.context, [
+                    o for o in self.live if o.status == "prefill" and (o.tenant == r.tenant or (
+                        g is not None and self.tenants[o.tenant]["group"] == g))]):
+                blocked.add(r.tenant)
+                self.counters.add("deferred")
+                continue
+            s = r.session  # a suspended IDLE turn comes back from host, so the turn hits it
+            if s is not None and s.idle_seq != INVALID and \
+                    self.m.status[s.idle_seq] == SEQ_SUSPENDED:
+                self._restore(s.idle_seq, r, idle=True)
+            rows.append(r)
+        if not rows:
+            return
+        c, b = self.config, self.max_admit
+        ten, lens = np.full(b, INVALID, np.int32), np.zeros(b, np.int32)
+        tok = np.zeros((b, bucket(max(len(r.context) for r in rows), c.max_tokens_per_seq)),
+                       np.int32)
+        for i, r in enumerate(rows):
+            ten[i], lens[i], tok[i, : len(r.context)] = r.tenant, len(r.context), r.context
+        rep = self._op("admit", ten, tok, lens)
+        rep, idle = self._read(rep), []
+        for i, r in enumerate(rows):
+            if r.session is not None and r.session.idle_seq != INVALID:
+                idle.append(r.session)  # its IDLE turn goes: hits taken, or making way
+            if not rep.admitted[i]:
+                self._admit_refused(r, int(rep.reason[i]))
+                continue
+            q, n, self._progress = int(rep.seq_id[i]), len(r.context), True
+            self.queues[r.tenant].remove(r)
+            r.seq, r.status, r.base = q, "prefill", len(r.tokens)
+            r.prefilled = r.cached_tokens = int(rep.cached_tokens[i])
+            r.admitted, r.admitted_step, self._stamp = self._stamp, self.t, self._stamp + 1
+            if r.resuming:
+                r.resuming, r.resume_tokens = False, r.resume_tokens + n - r.prefilled
+                self.counters.add("resume_tokens_paid", n - r.prefilled)
+            self.m.set([q], length=n, status=SEQ_RUNNING, tenant=r.tenant)
+            self.by_seq[q] = r
+            self.live.append(r)
+        seqs = [s.idle_seq for s in idle]  # with keep_cold_blocks their full blocks stay cached
+        if seqs:
+            self._op("free", np.asarray(seqs, np.int32))
+            self.m.set(seqs)
+        for s in idle:
+            self.idle_of.pop(s.idle_seq)
+            s.idle_seq = INVALID
+
+    def _admit_refused(self, r: Request, reason: int):
+        """Count the refusal; the request waits, unless nothing could ever make room for it."""
+        name = REASONS[reason]
+        self.counters.refused(reason)
+        r.refusals[name] = r.refusals.get(name, 0) + 1
+        r.first_refused = self.t if r.first_refused < 0 else r.first_refused
+        self.parked.add(r.tenant)
+        self._progress = True  # the next step tries the tenants not parked
+        if any(e.tenant == r.tenant or e.kind in ("quota_cut", "lease_expiry")
+               for e in self.events[self._ev:]):
+            return
+        mine = reason in _QUOTA_REFUSALS  # else the pool or the slots: anyone's
+        holders = [o for o in self.live + list(self.idle_of.values())
+                   if not mine or o.tenant == r.tenant]
+        if not holders:  # (a session's own IDLE turn counts: it is freed to make way first)
+            self.queues[r.tenant].remove(r)
+            self.parked.discard(r.tenant)  # its next request may fit
+            self._refuse(r, name)
+
+    # ---- the executor step -------------------------------------------------------------------
+    def _absorb(self, out, dec, pre):
+        refused = []
+        for i, r in enumerate(dec):
+            if out.appended[i]:
+                self.m.length[r.seq], self.m.position[r.seq] = (self.m.length[r.seq] + 1,
+                                                                self.m.position[r.seq] + 1)
+                self._took(r, int(out.dec_next[i]))
+            else:
+                refused.append((r, int(out.reason[i])))
+        for j, (r, n) in enumerate(pre):
+            r.prefilled += n
+            self.counters.add("prefill_tokens", n)
+            if r.prefilled == len(r.context):
+                r.status = "running"
+                if r.pin_blocks and not r.preemptions and not r.turn:  # pinned once, written
+                    self._op("pin_prefix", r.seq, r.pin_blocks)
+                self._took(r, int(out.pre_next[j]))
+        for r, reason in refused:
+            if r.status == "running":  # not already taken as another row's victim
+                self._append_refused(r, reason)
+
+    def _took(self, r: Request, token: int):
+        r.tokens.append(token)
+        self.counters.add("generated_tokens")
+        why = ("stop" if token in r.stop_ids else "length" if len(r.tokens) >= r.max_new_tokens
+               else "table full" if self.m.length[r.seq] >= self.config.max_tokens_per_seq
+               else "context" if self.m.position[r.seq] >= self.config.model.max_context else "")
+        if why:
+            self._finish(r, why)
+
+    def _finish(self, r: Request, why: str):
+        r.status, r.finish, r.finished_step = "finished", why, self.t
+        self.counters.add("finished")
+        self.live.remove(r)
+        self._release.append(r)
+
+    def _append_refused(self, r: Request, reason: int):
+        self.counters.refused(reason)
+        if reason == REFUSED_SEQ_FULL:
+            return self._finish(r, "table full")
+        pool = [q for q in self.live if q.status == "running" and (
+            reason == REFUSED_POOL_FULL or q.tenant == r.tenant)]
+        if len(pool) <= 1:  # alone and still refused: nothing of its own to give up
+            return self._finish(r, f"append refused: {REASONS[reason]}")
+        self._preempt([max(pool, key=lambda q: q.admitted)])
+
+    # ---- records -----------------------------------------------------------------------------
+    def _record(self, *args) -> dict:
+        rec = metrics.record_step(self, *args)
+        self.records.append(rec)
+        if self.on_step is not None:
+            self.on_step(rec)
+        return rec
+
+    def summary(self) -> dict:
+        return metrics.run_summary(self.requests, self.records, self.counters, steps=self.t,
+                                   drift_max=self.drift_max, events=len(self.event_log))
