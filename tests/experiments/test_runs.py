@@ -111,7 +111,11 @@ def test_bench_reclaim_json_contract_and_run_directory(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "config.json", "metrics.json", "points.jsonl", "release_times.png", "scaling.png"]
     kinds = [p["kind"] for p in runs.read_points(run_dir)]
-    assert kinds == ["release"] * (2 + 4) + ["scaling"]  # 2 private tenants, 4 prefix creators
+    # 2 private tenants, 4 prefix creators; 8 timed reclaim actions (plan + apply).
+    assert kinds == ["release"] * (2 + 4) + ["reclaim_action"] * 8 + ["scaling"]
+    action = summary["reclaim_action"]
+    assert action["steps"] and action["median_shortfall_bytes"] == 0
+    assert action["vs_release"] == pytest.approx(action["seconds"] / summary["seconds"])
     assert runs.read_metrics(run_dir) == summary
     assert json.loads((tmp_path / "results" / "r.json").read_text()) == summary
 
