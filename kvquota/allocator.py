@@ -324,7 +324,9 @@ class Allocator(TierOps, ReclaimOps):
     # ---- free / release --------------------------------------------------------------------
     def free(self, state, seq_ids, *, donate=False) -> tuple[KVState, FreeReport]:
         """Free sequences (i32[B], INVALID = padding): one reference dropped per block-table
-        entry; blocks held by nothing return to their pool with their hash entries cleared."""
+        entry; blocks held by nothing return to their pool with their hash entries cleared
+        (with `keep_cold_blocks`, full pool-0 blocks stay in the prefix cache as cold blocks,
+        uncharged free capacity that the next allocation short of stack blocks reuses)."""
         self._check_state(state)
         ids = int_array("seq_ids", seq_ids, 1)
         if ids.size == 0:

@@ -8,7 +8,8 @@ the moved entries and of the entries that follow them, rewrites the table, then 
 free the old blocks (generation bumped, scrubbed under scrub_on_free, charge dropped).
 
 Only exact full-precision device blocks are prefix-cache targets: a block offloaded to the host
-is unhashed (its chain hash is kept, so a restore makes it a target again, with fresh parents).
+is unhashed (its chain hash is kept, so a restore makes it a target again, with fresh parents,
+unless its sequence lost tokens to eviction: then its K/V sit at shifted positions).
 The host pool is read with host-placed indices and values cross memory spaces through explicit
 `to_memory` transfers, so no gather or scatter mixes host and device memory.
 """
@@ -99,6 +100,10 @@ def relocate(config: StateConfig, state: KVState, seq_ids, move, src_pool: int, 
     per_seq = move.sum(axis=1).astype(jnp.int32)
     valid = seq_ids >= 0
     ten = tcol[:, 0]
+    # Only exact full-precision device blocks of never-evicted sequences are lookup targets (an
+    # evicted sequence's K/V sit at other positions than a prompt of its tokens would put them).
+    sc = clip(seq_ids)
+    target = (dst_pool == 0) & (state.seqs.positions[sc] == state.seqs.seq_lens[sc])[:, None]
     s = state
     state = s.update(
         ref_count=blk.ref_count.at[dst].set(1, mode="drop").at[old].set(0, mode="drop"),
@@ -108,8 +113,7 @@ def relocate(config: StateConfig, state: KVState, seq_ids, move, src_pool: int, 
         token_ids=blk.token_ids.at[dst].set(blk.token_ids[rc], mode="drop"),
         attn_mass=blk.attn_mass.at[dst].set(blk.attn_mass[rc], mode="drop"),
         block_hash=blk.block_hash.at[dst].set(blk.block_hash[rc], mode="drop"),
-        # Only exact full-precision device blocks are lookup targets.
-        hashed=blk.hashed.at[dst].set((blk.fill[rc] == p) & (dst_pool == 0), mode="drop"),
+        hashed=blk.hashed.at[dst].set((blk.fill[rc] == p) & target, mode="drop"),
         block_salt=blk.block_salt.at[dst].set(blk.block_salt[rc], mode="drop"),
         parent=blk.parent.at[relink].set(prev_new, mode="drop"),
         parent_gen=blk.parent_gen.at[relink].set(
