@@ -1,5 +1,6 @@
 """Serving on the paged state: engines (paged and dense), sampling, one-call generate/score."""
 
+from kvquota.serving.branching import branch, extend
 from kvquota.serving.dense import DenseEngine
 from kvquota.serving.engine import Generation, PagedEngine, ScoreResult
 from kvquota.serving.oneshot import generate, score, scoring_state_config
@@ -14,7 +15,7 @@ from kvquota.serving.streaming import (
 __all__ = [
     "DenseEngine", "Generation", "PagedEngine", "ScoreResult", "generate", "score",
     "scoring_state_config", "Sampling", "sample_tokens", "CachePolicy", "cache_bytes_by_pool",
-    "generate_streaming", "score_streaming",
+    "generate_streaming", "score_streaming", "branch", "extend",
 ]
 
 # ---- the multi-tenant scheduler (issue #11) ------------------------------------------------------
