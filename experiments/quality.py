@@ -90,6 +90,7 @@ class Item:
     scored: np.ndarray
     depth: float | None = None
     answer: str | None = None
+    needle: tuple = ()  # context indices of the answer's tokens (probes)
 
 
 def pydoc_text() -> str:
@@ -152,7 +153,9 @@ def passkey_probes(tok, filler, preset: qc.QualityPreset) -> list[Item]:
         body = filler[start:start + room]
         context = body[:at] + needle + body[at:]
         cont, mask = _answer_tail(tok, "\nWhat is the pass key? The pass key is", f" {key}")
-        out.append(_probe_item("passkey", i, context, cont, mask, depth=depth, answer=key))
+        digits = tuple(at + j for j, t in enumerate(needle) if tok.decode([t]).strip().isdigit())
+        out.append(_probe_item("passkey", i, context, cont, mask, depth=depth, answer=key,
+                               needle=digits))
     return out
 
 
@@ -185,15 +188,17 @@ def chat_probes(tok, filler, preset: qc.QualityPreset) -> list[Item]:
     for i in range(preset.chat_probes):
         fact, question, lead, answer = FACTS[i % len(FACTS)]
 
-        def context_ids(n):
+        def turns(n):
             start = 5000 + 3001 * i
             text = tok.decode(filler[start % max(1, len(filler) - n):][:n])
-            return tok.encode(tok.apply_chat_template([
+            return [
                 {"role": "user", "content": f"Hello! {fact} Please remember it."},
                 {"role": "assistant", "content": "Nice to meet you! I will remember that."},
                 {"role": "user", "content": "Here is some documentation:\n" + text},
-                {"role": "assistant", "content": "Thank you. Ask me anything about it."},
-            ], add_generation_prompt=False))
+                {"role": "assistant", "content": "Thank you. Ask me anything about it."}]
+
+        def context_ids(n):
+            return tok.encode(tok.apply_chat_template(turns(n), add_generation_prompt=False))
 
         n = preset.probe_context
         for _ in range(3):  # the filler's length, so the context is about probe_context tokens
@@ -202,9 +207,19 @@ def chat_probes(tok, filler, preset: qc.QualityPreset) -> list[Item]:
         if abs(len(context) - preset.probe_context) >= preset.block_size:
             raise cli.BadInput(f"probe_context {preset.probe_context} is too short for the "
                                f"chat probe's turns ({len(context)} tokens)")
-        head = tok.apply_chat_template([{"role": "user", "content": question}])
+        # The last turn as the template renders it after the others (no second system prompt).
+        before = tok.apply_chat_template(turns(n), add_generation_prompt=False)
+        whole = tok.apply_chat_template(turns(n) + [{"role": "user", "content": question}])
+        if not whole.startswith(before):
+            raise RuntimeError("the chat template renders earlier turns differently")
+        head = whole[len(before):]
         cont, mask = _answer_tail(tok, head + lead, answer)
-        out.append(_probe_item("chat", i, context, cont, mask, answer=answer.strip()))
+        word = [t for t, m in zip(cont, mask) if m]  # the answer's tokens, as stated in turn 1
+        at = next((j for j in range(len(context) - len(word) + 1)
+                   if context[j:j + len(word)] == word), None)
+        needle = () if at is None else tuple(range(at, at + len(word)))
+        out.append(_probe_item("chat", i, context, cont, mask, answer=answer.strip(),
+                               needle=needle))
     return out
 
 
@@ -574,6 +589,8 @@ class Bench:
         else:
             answer = self.targets[r, :t][m]
             point["retrieval_accuracy"] = float(np.array_equal(top1, answer))
+            if it.needle:  # was the answer, where the context states it, still cached?
+                point["answer_kept"] = _r(1.0 - removed[list(it.needle)].mean())
         return point
 
 
@@ -615,6 +632,7 @@ def summarize(points: list[dict], preset: qc.QualityPreset) -> dict:
         for kind in ("passkey", "chat"):
             row[f"{kind}_accuracy"] = _mean([p["retrieval_accuracy"] for p in probes
                                             if p["kind"] == kind])
+        row["answer_kept"] = _mean([p["answer_kept"] for p in probes if "answer_kept" in p])
         fates = [p["fate"] for p in group if p["fate"] is not None]
         if fates:
             row["fates"] = {name: fates.count(name) for name in sorted(set(fates))}
@@ -662,7 +680,7 @@ CSV_COLUMNS = ("method", "variant", "budget", "budget_fraction", "budget_tokens"
                "bytes_before", "bytes_freed", "byte_fraction_kept", "n_docs", "n_probes",
                *[k for m in TEXT_METRICS for k in (m, f"{m}_ci_low", f"{m}_ci_high")],
                "retrieval_accuracy", "retrieval_accuracy_ci_low", "retrieval_accuracy_ci_high",
-               "passkey_accuracy", "chat_accuracy")
+               "passkey_accuracy", "chat_accuracy", "answer_kept")
 
 
 def write_csv(metrics: dict, path: pathlib.Path) -> None:

@@ -90,6 +90,9 @@ def test_every_record_carries_the_fields(points):
             assert p["removed_mass"] > 0 and p["compressed_mass"] == 0
         if p["method"] in qc.QUANT_METHODS:
             assert p["compressed_mass"] > 0 and p["removed_mass"] == 0
+        if p["kind"] != "text":  # where the context states the answer: cached or evicted
+            assert 0.0 <= p["answer_kept"] <= 1.0
+            assert p["answer_kept"] == 1.0 or p["method"] in qc.EVICT_METHODS
 
 
 def test_bytes_freed_equal_the_ledger_change_recomputed_from_block_counts(points):
@@ -205,6 +208,7 @@ def test_probes_are_built_as_specified(ckpt):
         text = tok.decode(item.context)
         at = text.index(f"The pass key is {item.answer}")
         assert abs(at / len(text) - item.depth) < 0.2
+        assert tok.decode([item.context[j] for j in item.needle]) == item.answer * 2
         keys.add(item.answer)
     assert len(keys) == PRESET.passkey_probes
     (chat,) = q.chat_probes(tok, filler, PRESET)
@@ -213,6 +217,7 @@ def test_probes_are_built_as_specified(ckpt):
     assert abs(len(chat.context) - PRESET.probe_context) < PRESET.block_size
     scored = [chat.continuation[j + 1] for j in np.flatnonzero(chat.scored)]
     assert tok.decode(scored).strip() == answer.strip()
+    assert tok.decode([chat.context[j] for j in chat.needle]).strip() == answer.strip()
 
 
 def test_documents_are_disjoint_windows_spread_over_the_text():
