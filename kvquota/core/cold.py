@@ -60,13 +60,32 @@ def leave_cache(config: StateConfig, state: KVState, ids) -> KVState:
     return state
 
 
-def _lru(config: StateConfig, state: KVState, k: int):
-    """i32[k]: the k pool-0 blocks with the oldest cold stamps, oldest first (entries past
-    `cold_count` are not cold). One top-k over pool 0: callers run it only when needed."""
+def lru(config: StateConfig, state: KVState, k: int):
+    """i32[k]: the min(k, cold_count) pool-0 blocks with the oldest cold stamps, oldest first
+    (the entries after them are not cold blocks). Callers run it only when they need it.
+
+    Stamps are distinct, so the n-th smallest one, t, is found by bisecting its value (the
+    smallest t with n stamps <= t: at most 31 counting passes over pool 0, none when nothing
+    is cold), the n blocks with stamps <= t by one `nonzero`, and only those n are sorted. On
+    the 2-core CPU of the development machine: 0.5-0.6 ms at 2^16 blocks and 9.5-15.5 ms at
+    2^20, where `lax.top_k` over pool 0 (a full sort on CPU) takes 11 ms and 314-330 ms."""
     n0 = config.num_blocks
     stamps = state.blocks.cold_at[:n0]
-    stamps = jnp.where(stamps >= 0, stamps, INT32_MAX)
-    return lax.top_k(-stamps, k)[1].astype(jnp.int32)
+    key = jnp.where(stamps >= 0, stamps, INT32_MAX)
+    n = jnp.minimum(k, state.free.cold_count)
+
+    def halve(bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        enough = (key <= mid).sum() >= n
+        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+    top = jnp.maximum(state.free.cold_clock - 1, 0)
+    t, _ = lax.while_loop(lambda b: (b[0] < b[1]) & (n > 0), halve, (jnp.int32(0), top))
+    ids = jnp.nonzero((key <= t) & (n > 0), size=k, fill_value=0)[0].astype(jnp.int32)
+    rank = jnp.arange(k, dtype=jnp.int32)
+    order = jnp.argsort(jnp.where(rank < n, key[ids], INT32_MAX), stable=True)
+    return ids[order]
 
 
 def take_pool0(config: StateConfig, state: KVState, take, rank=None):
@@ -95,9 +114,9 @@ def take_pool0(config: StateConfig, state: KVState, take, rank=None):
     n_cold = n - n_stack
 
     def reuse(st):
-        lru = _lru(config, st, k)
+        oldest = lru(config, st, k)
         j = rank - cnt
-        cold_ids = jnp.where(take & (j >= 0), lru[jnp.clip(j, 0, k - 1)], INVALID)
+        cold_ids = jnp.where(take & (j >= 0), oldest[jnp.clip(j, 0, k - 1)], INVALID)
         st = leave_cache(config, st, cold_ids.ravel())
         return cold_ids, st.update(cold_count=st.free.cold_count - n_cold)
 
@@ -166,12 +185,12 @@ class ColdReport:
 def drop_cold(config: StateConfig, state: KVState, max_blocks, slots: int):
     """Push the `max_blocks` (i32[], <= cold_count) least recently cold blocks onto pool 0's
     stack, oldest deepest, clearing their cache entries. `slots` (static, >= max_blocks, <=
-    num_blocks) sizes the top-k."""
+    num_blocks) sizes the selection."""
     nb = config.total_blocks
-    lru = _lru(config, state, slots)
+    oldest = lru(config, state, slots)
     j = jnp.arange(slots, dtype=jnp.int32)
     take = j < jnp.minimum(max_blocks, state.free.cold_count)
-    ids = jnp.where(take, lru, INVALID)
+    ids = jnp.where(take, oldest, INVALID)
     n = take.sum().astype(jnp.int32)
     state = leave_cache(config, state, ids)
     cnt = state.free.free_count[0]

@@ -30,7 +30,7 @@ _CORES = {
     "compress": (compress.compress, (6,)),
     "evict_tokens": (evict.evict_tokens, ()),
     "evict_blocks": (evict.evict_blocks, ()),  # the target pool fixes its page layout
-    "drop_cold": (cold.drop_cold, (3,)),  # slots sizes the top-k
+    "drop_cold": (cold.drop_cold, (3,)),  # slots sizes the LRU selection
     "set_status": (lifecycle.set_status, ()),
     "preempt": (lifecycle.preempt, ()),
     "recycle": (lifecycle.recycle, ()),

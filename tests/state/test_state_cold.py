@@ -20,6 +20,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvquota import codes
 from kvquota import errors as E
 from kvquota.allocator import Allocator
+from kvquota.core.cold import lru
 from kvquota.sentinel import INVALID
 from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts, seq_tokens
 
@@ -90,7 +91,7 @@ def cold_set(s):
     return {int(b) for b in np.flatnonzero(np.asarray(s.blocks.cold_at) >= 0)}
 
 
-def lru(s):
+def lru_of(s):
     """Cold blocks, least recently cold first."""
     at = np.asarray(s.blocks.cold_at)
     return [int(b) for b in sorted(np.flatnonzero(at >= 0), key=lambda b: at[b])]
@@ -107,7 +108,7 @@ def test_next_turn_hits_its_cold_blocks_with_bit_identical_pages():
     alloc.check(s)
     # Both full blocks went cold (tail first in LRU order), the partial one onto the stack:
     # all three are returned capacity, none is charged.
-    assert lru(s) == [table[1], table[0]] and int(s.free.cold_count) == 2
+    assert lru_of(s) == [table[1], table[0]] and int(s.free.cold_count) == 2
     assert fr.pool_bytes_returned == 3 * BLOCK and int(s.free.free_count[0]) == 6
     assert _ints(alloc.allocatable_blocks(s)) == [8, 4, 4]
     assert int(alloc.ledger(s).charged_bytes[0]) == 0
@@ -148,16 +149,16 @@ def test_cold_blocks_are_reused_least_recent_first_and_only_when_the_stack_is_em
     s, _ = alloc.free(s, [0])
     alloc.check(s)
     order = [xs[1], xs[0], ys[1], ys[0]]  # freed tables tail first, earlier frees first
-    assert lru(s) == order
+    assert lru_of(s) == order
     # Four stack blocks: an admission of four takes exactly them; the cold set is untouched.
     s, r = admit(alloc, s, [(1, [9] * 8)])
-    assert int(s.free.free_count[0]) == 0 and lru(s) == order
+    assert int(s.free.free_count[0]) == 0 and lru_of(s) == order
     assert not set(_ints(s.seqs.block_tables[int(r.seq_id[0])])) & set(order)
     # Now the stack is empty: the oldest cold blocks go, in order, and leave the cache.
     gen = _ints(s.blocks.generation)
     s, r = admit(alloc, s, [(1, [7, 9, 9])])
     seq = int(r.seq_id[0])
-    assert _ints(s.seqs.block_tables[seq])[:2] == order[:2] and lru(s) == order[2:]
+    assert _ints(s.seqs.block_tables[seq])[:2] == order[:2] and lru_of(s) == order[2:]
     assert [int(s.blocks.generation[b]) - gen[b] for b in order] == [1, 1, 0, 0]
     # An append at a block boundary takes the next one; a fork's partial copy the last.
     s, ar = alloc.append(s, [seq], [4])
@@ -167,7 +168,7 @@ def test_cold_blocks_are_reused_least_recent_first_and_only_when_the_stack_is_em
     assert bool(ar.new_block[0]) and int(ar.block[0]) == order[2]
     s, fk = alloc.fork(s, [seq])
     alloc.check(s)
-    assert int(fk.copied_to[0]) == order[3] and lru(s) == []
+    assert int(fk.copied_to[0]) == order[3] and lru_of(s) == []
     assert _ints(alloc.allocatable_blocks(s))[0] == 0
     s, r = alloc.admit(s, *prompts([(0, [1, 2, 3])]))
     assert r.reasons()[0] == "pool full"
@@ -185,7 +186,7 @@ def test_a_reused_cold_block_is_never_returned_by_a_later_lookup():
     x = int(s.seqs.block_tables[0, 0])
     s, _ = alloc.free(s, [0])
     s, _ = admit(alloc, s, [(1, [9] * 8), (1, [8] * 5)])  # the stack: 4 + 3 blocks
-    assert int(s.free.free_count[0]) == 0 and lru(s) == [x]
+    assert int(s.free.free_count[0]) == 0 and lru_of(s) == [x]
     s, r = admit(alloc, s, [(0, [5, 6])])  # X reused at the head of another chain
     assert int(s.seqs.block_tables[int(r.seq_id[0]), 0]) == x
     s, _ = alloc.free(s, [0, 1])  # room again ([9] * 8 and [8] * 4 go cold)
@@ -204,7 +205,7 @@ def test_a_cold_child_of_a_reused_parent_never_matches():
     s, _ = alloc.free(s, [0])
     s, _ = alloc.unpin_blocks(s, [y])
     alloc.check(s)
-    assert lru(s) == [x, y]
+    assert lru_of(s) == [x, y]
     s, r = admit(alloc, s, [(1, [9] * 8), (1, [8, 8, 8])])
     assert int(s.free.free_count[0]) == 0
     # X is reused for a one-token prompt [1] and refilled with [1, 2] by an append: the same
@@ -224,7 +225,7 @@ def test_a_cold_child_of_a_reused_parent_never_matches():
     assert _ints(r.cached_tokens)[0] == 2
     seq = int(r.seq_id[0])
     table = _ints(s.seqs.block_tables[seq])
-    assert table[0] == x and table[2] == y and cold_set(s) == {int(b) for b in lru(s)}
+    assert table[0] == x and table[2] == y and cold_set(s) == {int(b) for b in lru_of(s)}
     assert y not in cold_set(s) and int(s.blocks.parent[y]) == table[1]
     assert_hits_hold(s, [1, 2, 3, 4, 6], [x])
 
@@ -305,13 +306,34 @@ def test_a_pop_never_takes_a_block_another_row_of_the_batch_revives():
     s, _ = admit(alloc, s, [(1, [9] * 8), (1, [7, 7, 7])])
     g = int(s.seqs.block_tables[1, 0])
     s, _ = alloc.free(s, [1])  # [7, 7] cold after Y, X; [7] onto the stack
-    assert lru(s) == [y, x, g] and int(s.free.free_count[0]) == 1
+    assert lru_of(s) == [y, x, g] and int(s.free.free_count[0]) == 1
     # Row 0 revives X, Y and takes the stack block; row 1's pop is the first in the LRU that
     # is not revived: G, not Y.
     s, r = admit(alloc, s, [(0, [1, 2, 3, 4, 5]), (1, [6])])
     assert r.reasons() == ["ok", "ok"]
     assert _ints(s.seqs.block_tables[int(r.seq_id[0])])[:2] == [x, y]
-    assert int(s.seqs.block_tables[int(r.seq_id[1]), 0]) == g and lru(s) == []
+    assert int(s.seqs.block_tables[int(r.seq_id[1]), 0]) == g and lru_of(s) == []
+
+
+def test_lru_selection_is_the_oldest_stamps_in_order():
+    """`cold.lru` (bisection on the stamp value, no full sort) against a NumPy sort, with holes,
+    huge stamp gaps, fewer cold blocks than asked and none at all."""
+    config = dataclasses.replace(COLD, num_blocks=1024, with_pages=False, compressed_pools=(),
+                                 host_blocks=0)
+    base = jax.device_get(Allocator(config).init())
+    rng = np.random.default_rng(0)
+    for k in (1, 5, 64):
+        select = jax.jit(lambda state, k=k: lru(config, state, k))
+        for n in (0, 1, 3, 200, 1024):
+            clock = int(rng.integers(max(n, 1), 2**31 - 1))
+            stamps = rng.choice(clock, n, replace=False) if clock < 10**6 else np.unique(
+                rng.integers(0, clock, n))
+            n = len(stamps)
+            at = np.full(config.total_blocks, INVALID, np.int32)
+            at[rng.choice(config.num_blocks, n, replace=False)] = stamps
+            state = base.update(cold_at=at, cold_count=np.int32(n), cold_clock=np.int32(clock))
+            want = np.argsort(np.where(at >= 0, at, 2**31 - 1), kind="stable")[:min(k, n)]
+            assert _ints(select(state)[:min(k, n)]) == _ints(want), (k, n)
 
 
 # ---- scrub, drop_cold ----------------------------------------------------------------------------
@@ -334,19 +356,19 @@ def test_drop_cold_pushes_the_least_recent_onto_the_stack():
     s, _ = alloc.free(s, [0])
     s, _ = admit(alloc, s, [(1, [6, 7, 8])])
     s, _ = alloc.free(s, [0])
-    order = lru(s)
+    order = lru_of(s)
     assert len(order) == 3
     gen, free0 = _ints(s.blocks.generation), int(s.free.free_count[0])
     s, rep = alloc.drop_cold(s, max_blocks=1)
     alloc.check(s)
     assert int(rep.dropped_blocks) == 1 and int(rep.cold_blocks) == 2
-    assert rep.bytes_dropped == BLOCK and lru(s) == order[1:]
+    assert rep.bytes_dropped == BLOCK and lru_of(s) == order[1:]
     assert int(s.free.free_count[0]) == free0 + 1 and int(s.free.free_list[free0]) == order[0]
     assert int(s.blocks.generation[order[0]]) == gen[order[0]] + 1
     assert _ints(alloc.allocatable_blocks(s))[0] == 8  # capacity unchanged
     s, rep = alloc.drop_cold(s)
     alloc.check(s)
-    assert int(rep.dropped_blocks) == 2 and lru(s) == [] and int(s.free.free_count[0]) == 8
+    assert int(rep.dropped_blocks) == 2 and lru_of(s) == [] and int(s.free.free_count[0]) == 8
     s, r = admit(alloc, s, [(0, [1, 2, 3, 4, 5])])
     assert _ints(r.cached_tokens)[0] == 0
     s, rep = alloc.drop_cold(s)  # nothing cold: nothing changes
@@ -477,7 +499,7 @@ class ColdMachine(RuleBasedStateMachine):
         STATS["turns"] += 1
 
     def _admit(self, t, toks):
-        lru_before, stack = lru(self.s), int(self.s.free.free_count[0])
+        lru_before, stack = lru_of(self.s), int(self.s.free.free_count[0])
         self.s, r = self.alloc.admit(self.s, *prompts([(t, toks)]))
         self.alloc.check(self.s)
         if not bool(r.admitted[0]):
@@ -500,7 +522,7 @@ class ColdMachine(RuleBasedStateMachine):
         n = int(self.s.seqs.seq_lens[seq])
         if n >= COLD.max_tokens_per_seq:
             return
-        lru_before, stack = lru(self.s), int(self.s.free.free_count[0])
+        lru_before, stack = lru_of(self.s), int(self.s.free.free_count[0])
         self.s, r = self.alloc.append(self.s, [seq], [tok])
         self.alloc.check(self.s)
         if bool(r.appended[0]):
@@ -513,7 +535,7 @@ class ColdMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         seq = self._pick(data, codes.SEQ_RUNNING)
-        lru_before, stack = lru(self.s), int(self.s.free.free_count[0])
+        lru_before, stack = lru_of(self.s), int(self.s.free.free_count[0])
         self.s, r = self.alloc.fork(self.s, [seq])
         self.alloc.check(self.s)
         if bool(r.forked[0]):
@@ -567,7 +589,7 @@ class ColdMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def restore(self, data):
         seq = self._pick(data, codes.SEQ_SUSPENDED)
-        lru_before, stack = lru(self.s), int(self.s.free.free_count[0])
+        lru_before, stack = lru_of(self.s), int(self.s.free.free_count[0])
         old = _ints(self.s.seqs.block_tables[seq])
         try:
             self.s, _ = self.alloc.restore(self.s, [seq])
@@ -598,7 +620,7 @@ class ColdMachine(RuleBasedStateMachine):
           keep=st.integers(1, 6), mode=st.sampled_from(["token", "block"]))
     def evict(self, data, policy, keep, mode):
         seq = self._pick(data, codes.SEQ_RUNNING)
-        lru_before, stack = lru(self.s), int(self.s.free.free_count[0])
+        lru_before, stack = lru_of(self.s), int(self.s.free.free_count[0])
         old = set(_ints(self.s.seqs.block_tables[seq]))
         try:
             self.s, rep = self.alloc.evict(self.s, [seq], policy=policy, keep_tokens=keep,
@@ -610,14 +632,14 @@ class ColdMachine(RuleBasedStateMachine):
         self._pops_follow_the_lru(lru_before, stack, [b for b in table if b >= 0 and b not in old])
         STATS[f"evicted ({mode})"] += int(rep.evicted_tokens[0])
 
-    @precondition(lambda self: int(self.s.free.cold_count) > 0)
-    @rule(max_blocks=st.sampled_from([None, 0, 1, 3]))
+    @precondition(lambda self: int(self.s.free.cold_count) > 1)  # rarer: keep cold blocks
+    @rule(max_blocks=st.sampled_from([None, 0, 1, 2]))
     def drop_cold(self, max_blocks):
-        lru_before, free0 = lru(self.s), int(self.s.free.free_count[0])
+        lru_before, free0 = lru_of(self.s), int(self.s.free.free_count[0])
         self.s, rep = self.alloc.drop_cold(self.s, max_blocks)
         self.alloc.check(self.s)
         n = len(lru_before) if max_blocks is None else min(max_blocks, len(lru_before))
-        assert int(rep.dropped_blocks) == n and lru(self.s) == lru_before[n:]
+        assert int(rep.dropped_blocks) == n and lru_of(self.s) == lru_before[n:]
         assert _ints(self.s.free.free_list[free0:free0 + n]) == lru_before[:n]
         STATS["dropped"] += n
 
@@ -629,12 +651,12 @@ class ColdMachine(RuleBasedStateMachine):
 
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
-FAST = settings(max_examples=10, stateful_step_count=20, deadline=None, derandomize=True,
+FAST = settings(max_examples=12, stateful_step_count=25, deadline=None, derandomize=True,
                 database=None, suppress_health_check=_HEALTH)
 SLOW = settings(max_examples=300, stateful_step_count=50, deadline=None, derandomize=True,
                 database=None, suppress_health_check=_HEALTH)
-FLOORS = {"admits": 30, "turns": 5, "revived": 5, "cold reused": 5, "dropped": 2, "frees": 10,
-          "offloads": 3, "restores": 2, "blocks compressed": 2}
+# Floors on what this machine is for (the reclaim means are floored in the tier machine).
+FLOORS = {"admits": 30, "turns": 10, "revived": 10, "cold reused": 10, "dropped": 3, "frees": 10}
 
 
 def _run(how, capsys):
