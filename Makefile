@@ -9,7 +9,7 @@ SPECS := setup.cfg pyproject.toml constraints.txt
 .PHONY: demo test
 
 demo: $(VENV)/.installed-runtime
-	$(PY) -m experiments.demo
+	$(PY) -m experiments.reclaim_demo
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -m "not slow"

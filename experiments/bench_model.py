@@ -9,7 +9,12 @@ one offset per row) and the same chunk size:
   * decode: mean wall time of a full step at that context (paged: the allocator's donated append
     with its validation, then the model; dense: the model) over --decode_steps steps after a
     warm-up step -> tokens/s = batch / step time.
-`ratio` = paged time / dense time (goal for decode: <= 1.25). `record_attention`: the cost of the
+`ratio` = paged time / dense time (goal for decode: <= 1.25). `scheduler_step`: the serving
+scheduler's decode step (kq.serving.Scheduler over a ModelExecutor: append + forward + sample in
+one jitted call, one readback) against the engine's (facade append with its validation reads,
+the forward, the logits back to the host, host argmax), in the same alternation -> steps/s of
+each, `speedup` = engine time / scheduler time, the scheduler's host syncs per step, and whether
+both sampled the same greedy tokens. `record_attention`: the cost of the
 attention statistics (DESIGN.md, tiered KV storage): a third engine, paged with
 `record_attention=True` (each decode step also asks the kernels for per-token attention mass
 and adds it into the state's `blocks.attn_mass`, in the same jitted step), timed in the same
@@ -120,8 +125,13 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
     tok_p = np.asarray(paged.decode(seq_ids, tok_p)[1]).argmax(-1).astype(np.int32)
     tok_r = last_r.argmax(-1).astype(np.int32)
     tok_r = np.asarray(recording.decode(rec_ids, tok_r)[1]).argmax(-1).astype(np.int32)
+    sched = _scheduler(config, params, sc, prompts, chunk, steps)
+    sched_steps, syncs0 = [], (sched.syncs, sched.executor.syncs)
     dense_steps, paged_steps, rec_steps = [], [], []
     for _ in range(steps):
+        start = time.perf_counter()
+        sched.step()
+        sched_steps.append(time.perf_counter() - start)
         start = time.perf_counter()
         tok_d = np.asarray(dense.decode(np.arange(b), tok_d)).argmax(-1).astype(np.int32)
         dense_steps.append(time.perf_counter() - start)
@@ -132,11 +142,14 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
         tok_r = np.asarray(recording.decode(rec_ids, tok_r)[1]).argmax(-1).astype(np.int32)
         rec_steps.append(time.perf_counter() - start)
     dense_step, paged_step = float(np.median(dense_steps)), float(np.median(paged_steps))
-    rec_step = float(np.median(rec_steps))
+    rec_step, sched_step = float(np.median(rec_steps)), float(np.median(sched_steps))
+    sched_syncs = (sched.syncs + sched.executor.syncs - sum(syncs0)) / steps
+    sched_tokens = [r.tokens[1: steps + 2] for r in sched.requests]  # the same positions as
+    paged_tokens = tok_p  # the engine's last step sampled (greedy, same prompts)
     same_tokens = bool((tok_d == tok_p).all())
     expected_mass = (steps + 1) * b * config.num_layers * config.num_kv_heads
     recorded = float(np.asarray(recording.state.blocks.attn_mass, np.float64).sum())
-    del dense, paged, recording
+    del dense, paged, recording, sched
 
     return {
         "batch": b,
@@ -153,8 +166,33 @@ def bench_point(config, params, prompts, *, steps: int, chunk: int, block: int,
                                                 "ratio": rec_step / paged_step},
                              "same_greedy_tokens": bool((tok_r == tok_p).all()),
                              "recorded_mass": recorded / expected_mass},
+        # the scheduler's one-sync step (kq.serving.Scheduler + ModelExecutor: append, forward
+        # and sample in one jitted call, one readback) beside today's engine step (facade
+        # append, forward, logits to the host, host argmax)
+        "scheduler_step": {"steps_per_s": {"engine": 1 / paged_step, "scheduler": 1 / sched_step},
+                           "step_ms": {"engine": 1e3 * paged_step, "scheduler": 1e3 * sched_step},
+                           "speedup": paged_step / sched_step,
+                           "host_syncs_per_step": sched_syncs,
+                           "same_greedy_tokens": bool(all(
+                               len(t) == steps + 1 and t[-1] == int(p)
+                               for t, p in zip(sched_tokens, paged_tokens)))},
         "load_average_1min": os.getloadavg()[0],
     }
+
+
+def _scheduler(config, params, sc, prompts, chunk: int, steps: int):
+    """A Scheduler whose requests (the same prompts, tenant 0) have all been prefilled and have
+    made one (compiling) decode step: the next `steps` steps are pure decode steps."""
+    ex = kq.serving.ModelExecutor(config, params, sc, prefill_rows=min(len(prompts), 4),
+                                  chunk_size=chunk, chunk_floor=chunk)
+    sched = kq.serving.Scheduler(ex, token_budget=len(prompts) * chunk + sc.max_seqs)
+    sched.register_tenant(0, token_quota=2**31 - 1, byte_quota=(2**31 - 1) * sc.unit_bytes)
+    for p in prompts:
+        sched.submit(kq.serving.Request(0, p, steps + 2))
+    while any(r.status != "running" for r in sched.requests):
+        sched.step()
+    sched.step()
+    return sched
 
 
 def _out_of_memory(error: Exception) -> bool:
@@ -200,11 +238,15 @@ def describe_point(point: dict) -> str:
         return f"batch {point['batch']:2d} context {point['context']:5d}: {point['error']}"
     pre, step = point["prefill_tokens_per_s"], point["decode_step_ms"]
     rec = point.get("record_attention", {}).get("decode_step_ms")
+    sched = point.get("scheduler_step")
     return (f"batch {point['batch']:2d} context {point['context']:5d}: prefill tok/s dense "
             f"{pre['dense']:8.1f} paged {pre['paged']:8.1f} "
             f"(x{point['prefill_seconds']['ratio']:.2f} time) | decode step ms dense "
             f"{step['dense']:7.1f} paged {step['paged']:7.1f} (x{step['ratio']:.2f})"
-            + (f" | recording attention {rec['on']:7.1f} (x{rec['ratio']:.2f})" if rec else ""))
+            + (f" | recording attention {rec['on']:7.1f} (x{rec['ratio']:.2f})" if rec else "")
+            + (f" | steps/s engine {sched['steps_per_s']['engine']:6.1f} scheduler "
+               f"{sched['steps_per_s']['scheduler']:6.1f} (x{sched['speedup']:.2f}, "
+               f"{sched['host_syncs_per_step']:.0f} sync)" if sched else ""))
 
 
 def plot(points, metrics, out_dir) -> list[str]:

@@ -114,9 +114,10 @@ class HostMirror:
 def compose_step(executor, live, token_budget: int, mirror: HostMirror, host_bytes: int = 0):
     """(StepBatch or None, decode requests, [(prefill request, chunk length)]) for this step:
     every running request (oldest first, up to max_batch) decodes one token; the rest of the
-    token budget goes to prefill chunks, oldest admission first, at most chunk_size each."""
+    token budget (at least one token: prefills always advance) goes to prefill chunks, oldest
+    admission first, at most chunk_size each."""
     dec = [r for r in live if r.status == "running"][: executor.max_batch]
-    budget, pre = token_budget - len(dec), []
+    budget, pre = max(token_budget - len(dec), 1), []
     for r in sorted((r for r in live if r.status == "prefill"), key=lambda q: q.admitted):
         if len(pre) == executor.prefill_rows or budget < 1:
             break
@@ -263,21 +264,24 @@ class _Executor:
     """Shapes and sync counting shared by both executors.
 
     Args (both): max_batch: decode rows per step (default: every sequence slot); prefill_rows:
-    prefill rows per step; chunk_size: the longest prefill chunk (tokens per row per step).
+    prefill rows per step; chunk_size: the longest prefill chunk (tokens per row per step);
+    chunk_floor: the narrowest padded chunk (chunk widths are powers of two from it to
+    chunk_size: each one compile; chunk_floor=chunk_size compiles one); sampling: Sampling.
     """
 
     def __init__(self, state_config: StateConfig, *, max_batch=None, prefill_rows=4,
-                 chunk_size=128, sampling: Sampling = Sampling()):
+                 chunk_size=128, chunk_floor=16, sampling: Sampling = Sampling()):
         if not isinstance(state_config, StateConfig):
             raise InvalidArgumentError("state_config must be a kvquota StateConfig")
         self.state_config = state_config
         self.max_batch = state_config.max_seqs if max_batch is None else int(max_batch)
         self.prefill_rows, self.chunk_size = int(prefill_rows), int(chunk_size)
+        self.chunk_floor = min(int(chunk_floor), self.chunk_size)
         if not (1 <= self.max_batch <= state_config.max_seqs and self.prefill_rows >= 1
-                and self.chunk_size >= 1):
+                and self.chunk_floor >= 1):
             raise InvalidArgumentError(
                 f"need 1 <= max_batch ({self.max_batch}) <= max_seqs ({state_config.max_seqs}), "
-                f"prefill_rows >= 1 ({self.prefill_rows}) and chunk_size >= 1 ({self.chunk_size})")
+                f"prefill_rows >= 1 ({self.prefill_rows}) and chunk sizes >= 1")
         if not isinstance(sampling, Sampling):
             raise InvalidArgumentError("sampling must be a kvquota Sampling")
         self.sampling = sampling
@@ -285,7 +289,7 @@ class _Executor:
 
     def chunk_width(self, longest: int) -> int:
         """The padded chunk width T for a step whose longest chunk is `longest` tokens."""
-        return bucket(longest, self.chunk_size, floor=min(16, self.chunk_size))
+        return bucket(longest, self.chunk_size, floor=self.chunk_floor)
 
     def _read(self, array) -> np.ndarray:
         self.syncs += 1

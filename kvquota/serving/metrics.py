@@ -61,7 +61,7 @@ class Request:
     base: int = 0  # len(tokens) when admitted: the cache holds context + tokens[base:-1]
     cached_tokens: int = 0
     admitted: int = -1  # admission order stamp
-    admitted_step: int = -1  # step of the last admission; first_refused: of the first refusal
+    admitted_step: int = -1  # step of the first admission; first_refused: of the first refusal
     first_refused: int = -1
     finished_step: int = -1
     preemptions: int = 0

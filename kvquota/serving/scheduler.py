@@ -116,13 +116,17 @@ class Scheduler(metrics.Intake):
         self.counters.new_step()
         self._host_bytes, self._progress = 0, bool(self._release)
         self._free_finished()
-        kinds = []
-        while self._ev < len(self.events) and self.events[self._ev].step <= self.t:
+        # An event waits for in-flight prefills (admissions held meanwhile): a reclaim must not
+        # compress, evict or drop (into the prefix cache) blocks whose K/V are not written yet.
+        due = self._ev < len(self.events) and self.events[self._ev].step <= self.t
+        hold, kinds = due and any(r.status == "prefill" for r in self.live), []
+        while not hold and self._ev < len(self.events) and self.events[self._ev].step <= self.t:
             self._ev += 1
             kinds.append(self._event(self.events[self._ev - 1]))
         self._arrivals()
         self._restore_suspended()
-        self._admit()
+        if not hold:
+            self._admit()
         batch, dec, pre = compose_step(self.executor, self.live, self.token_budget, self.m,
                                        self._host_bytes)
         out, self._dirty = None, False
@@ -175,7 +179,8 @@ class Scheduler(metrics.Intake):
     # ---- events ------------------------------------------------------------------------------
     def _event(self, ev: Event):
         self._progress = True
-        rec = {"step": self.t, "kind": ev.kind, "tenant": ev.tenant,
+        rec = {"step": self.t, "scheduled": ev.step, "kind": ev.kind, "tenant": ev.tenant,
+               "seq_requests": {str(q): r.id for q, r in self.by_seq.items()},
                "ledger_before": metrics.ledger_table(self.alloc.ledger(self.state))}
         if ev.kind == "new_tenant":
             self.register_tenant(ev.tenant, token_quota=ev.token_quota or INT32_MAX,
@@ -257,13 +262,15 @@ class Scheduler(metrics.Intake):
         self._dirty = True
 
     # ---- admission ---------------------------------------------------------------------------
-    def _restore(self, seq: int, r: Request, idle: bool = False) -> bool:
+    def _restore(self, seq: int, r: Request, idle: bool = False):
         """Bring a suspended sequence back from host (an IDLE one stays IDLE) if pool 0 and
-        the quota have room."""
+        the quota have room: True, else what is short ("pool full" / "over byte quota")."""
         try:
             rep = self._op("restore", np.asarray([seq], np.int32))
-        except (PoolFullError, QuotaExceededError):
-            return False
+        except PoolFullError:
+            return REASONS[REFUSED_POOL_FULL]
+        except QuotaExceededError:
+            return REASONS[REFUSED_BYTE_QUOTA]
         if idle:
             self._op("set_idle", np.asarray([seq], np.int32))
         moved = int(self._read(rep.moved_blocks).sum()) * self.config.pool_bytes[0]
@@ -275,9 +282,22 @@ class Scheduler(metrics.Intake):
 
     def _restore_suspended(self):
         for r in [q for q in self.live if q.status == "suspended"]:
-            if not self._restore(r.seq, r):
+            got = self._restore(r.seq, r)
+            if got is True:
+                r.status = r.was
+            elif self._hopeless(r, got == REASONS[REFUSED_BYTE_QUOTA]):
+                self._finish(r, f"suspended: {got}, never restorable")
+            else:
                 break  # FIFO: nothing overtakes the oldest suspended request
-            r.status = r.was
+
+    def _hopeless(self, r: Request, mine: bool) -> bool:
+        """Could nothing ever make room for r? No event to come that might, and nothing on the
+        device (of r's tenant, when `mine`) that will be freed."""
+        if any(e.tenant == r.tenant or e.kind in ("quota_cut", "lease_expiry")
+               for e in self.events[self._ev:]):
+            return False
+        return not [o for o in self.live + list(self.idle_of.values()) if o is not r and
+                    getattr(o, "status", "") != "suspended" and (not mine or o.tenant == r.tenant)]
 
     def _admit(self):
         """One admit call for up to max_admit queued requests: per-tenant FIFO (resumes and a
@@ -321,7 +341,8 @@ class Scheduler(metrics.Intake):
             self.queues[r.tenant].remove(r)
             r.seq, r.status, r.base = q, "prefill", len(r.tokens)
             r.prefilled = r.cached_tokens = int(rep.cached_tokens[i])
-            r.admitted, r.admitted_step, self._stamp = self._stamp, self.t, self._stamp + 1
+            r.admitted, self._stamp = self._stamp, self._stamp + 1
+            r.admitted_step = self.t if r.admitted_step < 0 else r.admitted_step
             if r.resuming:
                 r.resuming, r.resume_tokens = False, r.resume_tokens + n - r.prefilled
                 self.counters.add("resume_tokens_paid", n - r.prefilled)
@@ -344,13 +365,9 @@ class Scheduler(metrics.Intake):
         r.first_refused = self.t if r.first_refused < 0 else r.first_refused
         self.parked.add(r.tenant)
         self._progress = True  # the next step tries the tenants not parked
-        if any(e.tenant == r.tenant or e.kind in ("quota_cut", "lease_expiry")
-               for e in self.events[self._ev:]):
-            return
-        mine = reason in _QUOTA_REFUSALS  # else the pool or the slots: anyone's
-        holders = [o for o in self.live + list(self.idle_of.values())
-                   if not mine or o.tenant == r.tenant]
-        if not holders:  # (a session's own IDLE turn counts: it is freed to make way first)
+        # (quota refusals wait on the tenant's own holdings, pool or slots on anyone's; a
+        # session's own IDLE turn counts: it is freed to make way first)
+        if self._hopeless(r, reason in _QUOTA_REFUSALS):
             self.queues[r.tenant].remove(r)
             self.parked.discard(r.tenant)  # its next request may fit
             self._refuse(r, name)

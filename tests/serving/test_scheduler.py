@@ -5,9 +5,11 @@ arrivals, sessions and events with check_invariants and zero ledger drift after 
 Tiny random models in the default run; SmolLM2 (f32 pages) in the slow run.
 """
 
+import contextlib
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,7 +22,7 @@ from kvquota.sentinel import INVALID
 
 TINY = get_model_config("tiny-qwen")
 CONFIG = kq.StateConfig(TINY, num_blocks=48, block_size=4, max_seqs=4, max_blocks_per_seq=16,
-                        num_tenants=2, kv_format="f32", host_blocks=32, keep_cold_blocks=True)
+                        num_tenants=3, kv_format="f32", host_blocks=32, keep_cold_blocks=True)
 BLOCK = CONFIG.pool_bytes[0]
 TERMINAL = ("finished", "refused")
 
@@ -38,7 +40,8 @@ def params():
 
 def _scheduler(params, events=(), policy="tiered", config=CONFIG, tenants=2, **kw):
     ex = ModelExecutor(TINY, params, config, prefill_rows=2, chunk_size=16)
-    s = Scheduler(ex, events=events, policy=policy, drift_every=1, check_every=1, **kw)
+    kw = {"drift_every": 1, "check_every": 1, **kw}
+    s = Scheduler(ex, events=events, policy=policy, **kw)
     for t in range(tenants):
         s.register_tenant(t, token_quota=10**6, byte_quota=40 * BLOCK)
     return s
@@ -79,19 +82,89 @@ def test_reclaimed_requests_resume_to_the_same_greedy_tokens(params, policy, fat
         {"preemptions": "preempted", "suspensions": "suspended"}[fate]}
 
 
+def test_a_reclaim_waits_for_in_flight_prefills(params):
+    """A cut scheduled while a long prompt is prefilled in chunks of 4 runs once the prefill
+    ends (admissions held): with cold blocks kept, preempting it mid-prefill would leave blocks
+    in the prefix cache whose K/V were never written, and its replay would hit them."""
+    def run(events):
+        ex = ModelExecutor(TINY, params, CONFIG, prefill_rows=2, chunk_size=4)
+        s = Scheduler(ex, events=events, token_budget=6, policy="preempt-all", check_every=1)
+        for t in range(2):
+            s.register_tenant(t, token_quota=10**6, byte_quota=40 * BLOCK)
+        late = Request(1, [5] * 6, 4, arrival=3)  # arrives while the cut waits: held
+        r, late = s.submit(Request(0, list(range(3, 30)), 10)), s.submit(late)
+        s.run(max_steps=100)
+        return s, r, late
+
+    _, ref, _ = run([])
+    s, got, late = run([Event(2, "quota_cut", 0, byte_quota=0),
+                        Event(3, "burst", 0, byte_quota=40 * BLOCK)])
+    ev = s.event_log[0]
+    assert ev["scheduled"] == 2 and ev["step"] == 7  # 27 prompt tokens, 4 per step
+    assert late.admitted_step >= ev["step"]
+    assert got.preemptions == 1 and got.tokens == ref.tokens
+
+
+@contextlib.contextmanager
+def device_reads():
+    """Counts device-to-host reads of jax arrays: the value property behind int(), bool(),
+    tolist() and jax.device_get (one per array), and np.asarray / np.array of a jax array
+    (numpy reads those through the buffer protocol, which the transfer guard does not see on
+    CPU, where device and host memory are one)."""
+    cls, count = type(jnp.zeros(1)), [0]
+    value, asarray, array = cls._value, np.asarray, np.array
+
+    def counted(self):
+        count[0] += 1
+        return value.fget(self)
+
+    def wrap(f):
+        def g(a, *args, **kw):
+            count[0] += isinstance(a, jax.Array)
+            return f(a, *args, **kw)
+        return g
+
+    cls._value, np.asarray, np.array = property(counted), wrap(asarray), wrap(array)
+    try:
+        yield count
+    finally:
+        cls._value, np.asarray, np.array = value, asarray, array
+
+
+def test_the_read_counter_counts():
+    x = jnp.arange(4) + 1
+    for read, n in ((lambda: jax.device_get(x), 1), (lambda: np.asarray(x), 1),
+                    (lambda: int(x[0]), 1), (lambda: jax.device_get((x, x)), 2)):
+        with device_reads() as count:
+            read()
+        assert count[0] == n
+
+
 def test_a_decode_step_is_one_jitted_call_and_one_readback(params):
     """Once every request decodes, a step makes no facade call and reads the device exactly
-    once (the executor's readback); any other device-to-host transfer would raise."""
-    s = _scheduler(params)
+    once (the executor's readback of one small vector); today's PagedEngine.decode reads more.
+    (The transfer guard makes any other read an error where device and host differ: GPU.)
+    No drift or invariant check here: those read the whole state on purpose."""
+    s = _scheduler(params, drift_every=0, check_every=0)
     _requests(s, new=30)
     while any(r.status != "running" for r in s.requests):
         s.step()
-    with jax.transfer_guard_device_to_host("disallow"):
+    s.step()  # compiled
+    with jax.transfer_guard_device_to_host("disallow"), device_reads() as count:
         recs = [s.step() for _ in range(5)]
+    assert count[0] == 5
     assert [(r["step_syncs"], r["host_syncs"], r["facade_calls"]) for r in recs] == [(1, 0, 0)] * 5
     assert all(r["decode_rows"] == 4 and r["prefill_rows"] == 0 for r in recs)
     s.run()
     assert s.summary()["syncs_per_decode_step"] == 1.0
+    engine = kq.PagedEngine(TINY, params, CONFIG)
+    engine.register_tenant(0, token_quota=10**6, byte_quota=40 * BLOCK)
+    report, _ = engine.admit([0, 0], [[1, 2, 3], [4, 5, 6]])
+    ids = report.seq_id.astype(np.int32)
+    engine.decode(ids, np.array([7, 8], np.int32))
+    with device_reads() as count:
+        engine.decode(ids, np.array([9, 10], np.int32))
+    assert count[0] > 1
 
 
 def test_a_session_turn_hits_its_idle_sequence(params):
@@ -145,12 +218,11 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(params):
 def test_make_room_for_a_new_tenant_takes_from_the_others(params):
     """A new tenant needs 24 blocks of a pool its predecessors fill: make_room preempts or
     suspends their requests until it fits, and the new tenant's request is admitted at once."""
-    config = dataclasses.replace(CONFIG, num_blocks=24, num_tenants=3, host_blocks=8)
     newcomer = Request(2, list(range(40)), 4)
     ev = Event(6, "new_tenant", 2, token_quota=10**6, byte_quota=40 * BLOCK,
-               bytes_needed=12 * BLOCK, requests=(newcomer,))
-    s = _scheduler(params, [ev], config=config)
-    _requests(s, n=4, length=17, new=24)
+               bytes_needed=24 * BLOCK, requests=(newcomer,))
+    s = _scheduler(params, [ev])
+    _requests(s, n=3, length=33, new=24)
     s.run(max_steps=200)
     plan = s.event_log[0]["plan"]
     assert plan["request"]["kind"] == "make_room" and plan["target_bytes"] > 0
@@ -174,7 +246,7 @@ def test_grow_no_admit_keeps_survivors_decoding_and_refuses_new_work(params):
 def test_cost_model_step_time_is_its_formula():
     """Metadata-only state; one step of 3 decode rows and a prefill row of 16 tokens:
     (weights + KV blocks read x block bytes) / HBM + prefill / rate + host bytes / link."""
-    config = dataclasses.replace(CONFIG, with_pages=False, num_tenants=1)
+    config = dataclasses.replace(CONFIG, with_pages=False)
     ex = CostModelExecutor(config, prefill_rows=3, chunk_size=16, hbm_bandwidth=1e12,
                            prefill_tokens_per_s=1e5, weight_bytes=10**6, step_overhead_s=1e-4)
     s = Scheduler(ex, check_every=1, drift_every=1)
@@ -206,15 +278,18 @@ def test_step_batch_shapes_are_fixed():
 
 # ---- fuzz ------------------------------------------------------------------------------------
 
-def _fuzz(params, seed, steps, *, cost):
+def _fuzz(params, seed, steps, *, cost, config=None):
     """Random arrivals, sessions and events over `steps` steps; check_invariants and ledger
-    drift after every step; at the end nothing is lost."""
+    drift after every step; at the end nothing is lost. The last tenant slot is registered by
+    a new_tenant event. Default config: one per seed (cold blocks on or off, a compressed
+    pool or none)."""
     rng = np.random.default_rng(seed)
-    config = kq.StateConfig(TINY, num_blocks=40, block_size=4, max_seqs=6, max_blocks_per_seq=12,
-                            num_tenants=4, kv_format="f32", host_blocks=12,
-                            keep_cold_blocks=bool(seed % 2), with_pages=not cost,
-                            compressed_pools=(("int8", 8),) if seed % 3 == 0 else (),
-                            host_watermark=0.3)
+    config = config or kq.StateConfig(
+        TINY, num_blocks=40, block_size=4, max_seqs=6, max_blocks_per_seq=12, num_tenants=4,
+        kv_format="f32", host_blocks=12, keep_cold_blocks=bool(seed % 2), with_pages=not cost,
+        compressed_pools=(("int8", 8),) if seed % 3 == 0 else (), host_watermark=0.3)
+    config = dataclasses.replace(config, with_pages=not cost)
+    last = config.num_tenants - 1
     ex = (CostModelExecutor(config, prefill_rows=2, chunk_size=16) if cost else
           ModelExecutor(TINY, params, config, prefill_rows=2, chunk_size=16))
     system = [int(x) for x in rng.integers(0, 256, 8)]
@@ -227,11 +302,11 @@ def _fuzz(params, seed, steps, *, cost):
                        arrival=int(rng.integers(0, steps // 2)), pin_blocks=int(
                            rng.random() < 0.2 and len(prompt) >= 4))
 
-    events = [Event(int(rng.integers(1, steps)), "new_tenant", 3, token_quota=10**5,
+    events = [Event(int(rng.integers(1, steps)), "new_tenant", last, token_quota=10**5,
                     byte_quota=20 * BLOCK, bytes_needed=int(rng.integers(0, 8)) * BLOCK,
-                    requests=(request(3), request(3)))]
+                    requests=(request(last), request(last)))]
     for _ in range(6):
-        step, t, kind = int(rng.integers(1, steps)), int(rng.integers(0, 3)), rng.integers(4)
+        step, t, kind = int(rng.integers(1, steps)), int(rng.integers(0, last)), rng.integers(4)
         policy = str(rng.choice(list(PRESETS)))
         if kind < 2:
             events.append(Event(step, "quota_cut", t, policy=policy,
@@ -243,13 +318,14 @@ def _fuzz(params, seed, steps, *, cost):
                                 requests=tuple(request(t) for _ in range(rng.integers(0, 3)))))
     s = Scheduler(ex, events=events, drift_every=1, check_every=1,
                   token_budget=int(rng.integers(8, 40)), max_admit=int(rng.choice([1, 2, 4])))
-    for t in range(3):
+    for t in range(last):
         s.register_tenant(t, token_quota=int(rng.integers(30, 200)), share_group=1 if t < 2 else
                           None, byte_quota=int(rng.integers(3, 30)) * BLOCK)
-    submitted = [s.submit(request(int(rng.integers(0, 3)))) for _ in range(rng.integers(5, 15))]
+    submitted = [s.submit(request(int(rng.integers(0, last))))
+                 for _ in range(rng.integers(5, 15))]
     for _ in range(2):
         turns = [[int(x) for x in rng.integers(0, 256, rng.integers(1, 8))] for _ in range(3)]
-        s.submit_session(Session(int(rng.integers(0, 3)), turns, int(rng.integers(1, 10)),
+        s.submit_session(Session(int(rng.integers(0, last)), turns, int(rng.integers(1, 10)),
                                  gap=int(rng.integers(1, 5)), arrival=int(rng.integers(0, 20))))
     summary = s.run(max_steps=5 * steps)
     assert summary["steps"] < 5 * steps  # it ends: done, or stalled with requests queued
@@ -264,18 +340,16 @@ def _fuzz(params, seed, steps, *, cost):
     return summary
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_fuzz_model_executor(params, seed):
-    _fuzz(params, seed, 150, cost=False)
+def test_fuzz_model_executor(params):
+    _fuzz(params, 0, 150, cost=False, config=CONFIG)  # the module's config: compiled already
 
 
-@pytest.mark.parametrize("seed", range(3, 6))
-def test_fuzz_cost_model(params, seed):
-    _fuzz(params, seed, 150, cost=True)
+def test_fuzz_cost_model(params):
+    _fuzz(params, 1, 150, cost=True, config=CONFIG)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(6, 60))
+@pytest.mark.parametrize("seed", range(2, 60))
 def test_fuzz_long(params, seed):
     _fuzz(params, seed, 400, cost=seed % 2 == 1)
 
@@ -313,3 +387,20 @@ def test_smollm2_preempt_and_offload_resume_to_the_same_greedy_tokens(policy):
     assert summary["ledger_drift_max"] == 0
     assert [r.tokens for r in reqs] == [r.tokens for r in ref]
     assert INVALID not in [t for r in reqs for t in r.tokens]
+
+
+def test_bench_model_times_the_scheduler_step_beside_the_engine(params):
+    """experiments.bench_model's point carries the scheduler's one-sync decode step beside
+    the engine's, on the same prompts: same greedy tokens, one sync per step."""
+    from experiments import bench_model
+
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, TINY.vocab_size, 20)] for _ in range(2)]
+    point = bench_model.bench_point(TINY, params, prompts, steps=3, chunk=16, block=8,
+                                    kv_format="f32")
+    sched = point["scheduler_step"]
+    assert sched["host_syncs_per_step"] == 1.0 and sched["same_greedy_tokens"] is True
+    assert sched["step_ms"]["engine"] == point["decode_step_ms"]["paged"]
+    assert sched["speedup"] == pytest.approx(sched["step_ms"]["engine"] /
+                                             sched["step_ms"]["scheduler"])
+    assert "steps/s engine" in bench_model.describe_point(point)
