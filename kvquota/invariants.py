@@ -8,8 +8,9 @@ shows up as a difference rather than being repeated. It checks:
     entries, logical positions never behind lengths (eviction only shrinks lengths);
   * ref counts and payer-held refs equal the references in the tables;
   * every block is exactly one of: held (referenced or pinned), on its pool's free list, or
-    *cold* (keep_cold_blocks only: pool 0, full, hashed, payer INVALID, no mass, an LRU stamp
-    below cold_clock, distinct; their number is cold_count); each pool's free list holds exactly
+    *cold* (keep_cold_blocks only: pool 0, full, hashed, payer INVALID, no mass, a distinct LRU
+    stamp in [cold_head, cold_clock) and at that stamp's place in the LRU ring; their number is
+    cold_count); each pool's free list holds exactly
     its blocks held by nothing that are not cold (no duplicates, nothing both free and held;
     pinned blocks never free); free blocks carry no metadata (tombstones cleared), and with
     scrub_on_free their pages are zero in every pool (a cold block's pages are live cache);
@@ -279,24 +280,33 @@ def _check_cold(problems, config: StateConfig, st, held, pools) -> np.ndarray:
     if not config.keep_cold_blocks:
         _flag(problems, "cold block (an unheld cached block) without keep_cold_blocks", cold)
         cold = np.zeros(nb, bool)
+        if (st.free.cold_ring != INVALID).any() or int(st.free.cold_head) != 0:
+            problems.append("cold ring used without keep_cold_blocks")
     stamped = b.cold_at != INVALID
     _flag(problems, "cold_at stamp on a block that is not cold, or a cold block without one",
           stamped != cold)
     n = int(cold.sum())
     if int(st.free.cold_count) != n:
         problems.append(f"cold_count = {int(st.free.cold_count)}, {n} cold blocks")
-    clock = int(st.free.cold_clock)
-    stamps = b.cold_at[cold]
-    if (stamps < 0).any() or (stamps >= clock).any() or len(np.unique(stamps)) != len(stamps):
-        problems.append(f"cold stamps must be distinct, in [0, cold_clock = {clock}): "
-                        f"{np.sort(stamps)[:8].tolist()}")
+    clock, head, n0 = int(st.free.cold_clock), int(st.free.cold_head), config.num_blocks
+    if not 0 <= head <= clock <= head + n0:
+        problems.append(f"cold ring: head {head}, clock {clock} (need 0 <= head <= clock <= "
+                        f"head + {n0})")
+    ids = np.flatnonzero(cold)
+    stamps = b.cold_at[ids]
+    if (stamps < head).any() or (stamps >= clock).any() or len(np.unique(stamps)) != len(stamps):
+        problems.append(f"cold stamps must be distinct, in [cold_head = {head}, cold_clock = "
+                        f"{clock}): {np.sort(stamps)[:8].tolist()}")
+    else:
+        lost = st.free.cold_ring[stamps % n0] != ids
+        if lost.any():
+            problems.append(f"cold blocks missing from the LRU ring: {ids[lost][:5].tolist()}")
     _flag(problems, "cold block with payer refs or pins", cold & ((b.payer_refs != 0)
                                                                  | (b.pin_count != 0)))
     _flag(problems, "cold block with invalid token ids", cold & (b.token_ids < 0).any(1))
     # The chain: a cold block whose parent is still the block it was chained on (same
     # generation, still a lookup target) carries the hash of its tokens on the parent's hash;
     # one without a parent the hash on its salt's root. (A stale parent makes it unreachable.)
-    ids = np.flatnonzero(cold)
     par = np.clip(b.parent[ids], 0, nb - 1)
     orphan = b.parent[ids] == INVALID
     live_parent = ~orphan & (b.parent_gen[ids] == b.generation[par]) & b.hashed[par]

@@ -255,8 +255,12 @@ class FreeLists:
     free_count: jax.Array  # i32[POOLS]
     cold_count: jax.Array  # i32[]  cold cached blocks of pool 0 (free capacity beside the stack:
     #                       pool 0's allocatable blocks are free_count[0] + cold_count)
-    cold_clock: jax.Array  # i32[]  blocks gone cold so far: the next `cold_at` stamp (int32, so
-    #                       a state takes at most 2^31 - 1 blocks going cold)
+    cold_ring: jax.Array  # i32[N_0]  the LRU queue: the cold block stamped t sits at
+    #                      cold_ring[t % N_0], for cold_head <= t < cold_clock (entries whose
+    #                      block has another stamp are holes left by revived blocks)
+    cold_head: jax.Array  # i32[]  stamp of the queue's oldest entry (pops advance it)
+    cold_clock: jax.Array  # i32[]  the next `cold_at` stamp (int32, so a state takes at most
+    #                       2^31 - 1 blocks going cold)
 
 
 @struct.dataclass
@@ -370,6 +374,8 @@ def init_state(config: StateConfig) -> KVState:
         free_list=free_list,
         free_count=np.array(config.pool_sizes, np.int32),
         cold_count=np.int32(0),
+        cold_ring=i32((config.num_blocks,), INVALID),
+        cold_head=np.int32(0),
         cold_clock=np.int32(0),
         block_tables=i32((s, mb), INVALID),
         seq_lens=i32((s,)),

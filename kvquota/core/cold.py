@@ -11,6 +11,12 @@ chained on it stay valid. When it is reused or dropped it leaves the cache: its 
 bumped (stale children never match), its chain data cleared and, under scrub_on_free, its pages
 zeroed — only then, since until then they are live cache content.
 
+The LRU order is a ring of block ids in stamp order (`FreeLists.cold_ring`, from `cold_head`
+to `cold_clock`), a FIFO like vLLM's free queue: going cold appends at the tail, a pop takes
+from the head, so the steady state of a serving loop (the stack empty, every free block cold)
+pops in O(batch), not O(pool). A revived block leaves a hole (its `cold_at` no longer names
+that slot); pops skip holes, and a ring whose holes would overflow it is compacted (one sort).
+
 Every pool-0 pop goes through `take_pool0`; every room check reads `allocatable`.
 """
 
@@ -60,32 +66,61 @@ def leave_cache(config: StateConfig, state: KVState, ids) -> KVState:
     return state
 
 
-def lru(config: StateConfig, state: KVState, k: int):
-    """i32[k]: the min(k, cold_count) pool-0 blocks with the oldest cold stamps, oldest first
-    (the entries after them are not cold blocks). Callers run it only when they need it.
-
-    Stamps are distinct, so the n-th smallest one, t, is found by bisecting its value (the
-    smallest t with n stamps <= t: at most 31 counting passes over pool 0, none when nothing
-    is cold), the n blocks with stamps <= t by one `nonzero`, and only those n are sorted. On
-    the 2-core CPU of the development machine: 0.5-0.6 ms at 2^16 blocks and 9.5-15.5 ms at
-    2^20, where `lax.top_k` over pool 0 (a full sort on CPU) takes 11 ms and 314-330 ms."""
+def _compact(config: StateConfig, cold_at, ring, clock, count):
+    """Re-stamp the cold blocks `clock - count .. clock - 1` in their LRU order and rewrite the
+    ring without holes: (cold_at, ring, head). One sort of pool 0's stamps; run only when the
+    ring would overflow or the oldest window holds too few live entries."""
     n0 = config.num_blocks
-    stamps = state.blocks.cold_at[:n0]
-    key = jnp.where(stamps >= 0, stamps, INT32_MAX)
-    n = jnp.minimum(k, state.free.cold_count)
+    key = jnp.where(cold_at[:n0] >= 0, cold_at[:n0], INT32_MAX)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # oldest first, the rest after
+    r = jnp.arange(n0, dtype=jnp.int32)
+    live = r < count
+    head = clock - count
+    stamp = head + r
+    cold_at = cold_at.at[oob(order, live, config.total_blocks)].set(stamp, mode="drop")
+    ring = ring.at[oob(stamp % n0, live, n0)].set(order, mode="drop")
+    return cold_at, ring, head
 
-    def halve(bounds):
-        lo, hi = bounds
-        mid = lo + (hi - lo) // 2
-        enough = (key <= mid).sum() >= n
-        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
 
-    top = jnp.maximum(state.free.cold_clock - 1, 0)
-    t, _ = lax.while_loop(lambda b: (b[0] < b[1]) & (n > 0), halve, (jnp.int32(0), top))
-    ids = jnp.nonzero((key <= t) & (n > 0), size=k, fill_value=0)[0].astype(jnp.int32)
-    rank = jnp.arange(k, dtype=jnp.int32)
-    order = jnp.argsort(jnp.where(rank < n, key[ids], INT32_MAX), stable=True)
-    return ids[order]
+def _window(config: StateConfig, k: int) -> int:
+    """Ring entries `oldest` scans from the head before it compacts (static)."""
+    return min(config.num_blocks, 4 * k + 1024)
+
+
+def oldest(config: StateConfig, state: KVState, need, k: int):
+    """The `need` (i32[] <= min(k, cold_count)) least recently cold blocks, oldest first:
+    (ids i32[k], INVALID past `need`; the state with the ring's head moved past them).
+
+    The ring holds cold blocks in stamp order from `cold_head` to `cold_clock`; revived blocks
+    leave holes (their `cold_at` no longer matches). A window of the oldest entries is
+    scanned, so a pop costs O(k) in the usual case, not O(pool); only when the window holds
+    fewer than `need` live entries is the ring compacted first (one sort)."""
+    n0 = config.num_blocks
+    w = _window(config, k)
+    f = state.free
+    slots = jnp.arange(k, dtype=jnp.int32)
+    t = f.cold_head + jnp.arange(w, dtype=jnp.int32)
+    cand = f.cold_ring[t % n0]
+    live = (t < f.cold_clock) & (cand >= 0) & (state.blocks.cold_at[clip(cand)] == t)
+
+    def scan(st):
+        li = live.astype(jnp.int32)
+        rank = jnp.cumsum(li) - li
+        took = live & (rank < need)
+        ids = jnp.full((k,), INVALID, jnp.int32).at[jnp.where(took, rank, k)].set(
+            cand, mode="drop")
+        last = jnp.max(jnp.where(took, jnp.arange(w, dtype=jnp.int32), -1))
+        return ids, st.update(cold_head=st.free.cold_head + last + 1)
+
+    def compacted(st):
+        cold_at, ring, head = _compact(config, st.blocks.cold_at, st.free.cold_ring,
+                                       st.free.cold_clock, st.free.cold_count)
+        ids = jnp.where(slots < need, ring[(head + slots) % n0], INVALID)
+        return ids, st.update(cold_at=cold_at, cold_ring=ring, cold_head=head + need)
+
+    enough = live.sum() >= need
+    return lax.cond(need <= 0, lambda st: (jnp.full((k,), INVALID, jnp.int32), st),
+                    lambda st: lax.cond(enough, scan, compacted, st), state)
 
 
 def take_pool0(config: StateConfig, state: KVState, take, rank=None):
@@ -114,9 +149,9 @@ def take_pool0(config: StateConfig, state: KVState, take, rank=None):
     n_cold = n - n_stack
 
     def reuse(st):
-        oldest = lru(config, st, k)
+        first, st = oldest(config, st, n_cold, k)
         j = rank - cnt
-        cold_ids = jnp.where(take & (j >= 0), oldest[jnp.clip(j, 0, k - 1)], INVALID)
+        cold_ids = jnp.where(take & (j >= 0), first[jnp.clip(j, 0, k - 1)], INVALID)
         st = leave_cache(config, st, cold_ids.ravel())
         return cold_ids, st.update(cold_count=st.free.cold_count - n_cold)
 
@@ -129,18 +164,27 @@ def take_pool0(config: StateConfig, state: KVState, take, rank=None):
 
 def stamp_cold(config: StateConfig, state: KVState, blocks, cold):
     """Updates (a dict for `state.update`) that make the entries `cold` (bool[E]) of `blocks`
-    (i32[E], distinct where cold) cold: LRU stamps from `cold_clock`, in *reverse* entry order so
-    the tail of a freed table is reused before its head (vLLM frees a request's blocks in reverse
-    for the same reason: a lost head makes the whole chain unreachable), and the counters."""
+    (i32[E], distinct where cold) cold: stamps from `cold_clock` appended to the ring, in
+    *reverse* entry order so the tail of a freed table is reused before its head (vLLM frees a
+    request's blocks in reverse for the same reason: a lost head makes the whole chain
+    unreachable), and the counters. A ring that would overflow (its holes, left by revived
+    blocks, plus the new entries exceed pool 0) is compacted first."""
+    n0, nb = config.num_blocks, config.total_blocks
+    f = state.free
     ci = cold.astype(jnp.int32)
     n = ci.sum().astype(jnp.int32)
     later = n - jnp.cumsum(ci)  # cold entries after each entry
-    s = state
+    cold_at, ring, head = lax.cond(
+        f.cold_clock + n - f.cold_head > n0,
+        lambda: _compact(config, state.blocks.cold_at, f.cold_ring, f.cold_clock, f.cold_count),
+        lambda: (state.blocks.cold_at, f.cold_ring, f.cold_head))
+    stamp = f.cold_clock + later
     return dict(
-        cold_at=s.blocks.cold_at.at[oob(blocks, cold, config.total_blocks)].set(
-            s.free.cold_clock + later, mode="drop"),
-        cold_count=s.free.cold_count + n,
-        cold_clock=s.free.cold_clock + n,
+        cold_at=cold_at.at[oob(blocks, cold, nb)].set(stamp, mode="drop"),
+        cold_ring=ring.at[oob(stamp % n0, cold, n0)].set(blocks, mode="drop"),
+        cold_head=head,
+        cold_count=f.cold_count + n,
+        cold_clock=f.cold_clock + n,
     )
 
 
@@ -187,11 +231,10 @@ def drop_cold(config: StateConfig, state: KVState, max_blocks, slots: int):
     stack, oldest deepest, clearing their cache entries. `slots` (static, >= max_blocks, <=
     num_blocks) sizes the selection."""
     nb = config.total_blocks
-    oldest = lru(config, state, slots)
+    n = jnp.minimum(max_blocks, state.free.cold_count).astype(jnp.int32)
+    ids, state = oldest(config, state, n, slots)
     j = jnp.arange(slots, dtype=jnp.int32)
-    take = j < jnp.minimum(max_blocks, state.free.cold_count)
-    ids = jnp.where(take, oldest, INVALID)
-    n = take.sum().astype(jnp.int32)
+    take = ids >= 0
     state = leave_cache(config, state, ids)
     cnt = state.free.free_count[0]
     state = state.update(

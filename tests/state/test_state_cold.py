@@ -20,7 +20,6 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvquota import codes
 from kvquota import errors as E
 from kvquota.allocator import Allocator
-from kvquota.core.cold import lru
 from kvquota.sentinel import INVALID
 from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts, seq_tokens
 
@@ -59,7 +58,8 @@ def write_kv(state, seq, start, end):
     slots = np.zeros(width, np.int32)
     vals = np.zeros(width, np.float32)
     for i in range(start, end):
-        blocks[i - start], slots[i - start], vals[i - start] = table[i // P], i % P, _value(toks[:i + 1])
+        j = i - start
+        blocks[j], slots[j], vals[j] = table[i // P], i % P, _value(toks[:i + 1])
     pages = (_write(state.pages[0], blocks, slots, vals),) + tuple(state.pages[1:])
     return state.replace(pages=pages)
 
@@ -217,7 +217,8 @@ def test_a_cold_child_of_a_reused_parent_never_matches():
     s = write_kv(s, seq, 1, 2)
     alloc.check(s)
     assert bool(s.blocks.hashed[x]) and y in cold_set(s)
-    assert int(s.blocks.parent[y]) == x and int(s.blocks.parent_gen[y]) != int(s.blocks.generation[x])
+    assert int(s.blocks.parent[y]) == x
+    assert int(s.blocks.parent_gen[y]) != int(s.blocks.generation[x])
     s, _ = alloc.free(s, [1])  # room: [8, 8] goes cold, [8] onto the stack
     s, r = admit(alloc, s, [(0, [1, 2, 3, 4, 6])])
     # X hits (held, its content is [1, 2]); Y's tokens, hash and salt match, but it hangs off
@@ -315,25 +316,60 @@ def test_a_pop_never_takes_a_block_another_row_of_the_batch_revives():
     assert int(s.seqs.block_tables[int(r.seq_id[1]), 0]) == g and lru_of(s) == []
 
 
-def test_lru_selection_is_the_oldest_stamps_in_order():
-    """`cold.lru` (bisection on the stamp value, no full sort) against a NumPy sort, with holes,
-    huge stamp gaps, fewer cold blocks than asked and none at all."""
-    config = dataclasses.replace(COLD, num_blocks=1024, with_pages=False, compressed_pools=(),
-                                 host_blocks=0)
-    base = jax.device_get(Allocator(config).init())
+def test_a_ring_whose_holes_would_overflow_is_compacted_in_lru_order():
+    alloc, s = fresh(COLD)
+    s, _ = admit(alloc, s, [(0, [1, 2, 3, 4, 5, 6, 7, 8]), (1, [9, 9, 9, 9, 9])])
+    a, b = _ints(s.seqs.block_tables[0]), _ints(s.seqs.block_tables[1])[:2]
+    s, _ = alloc.free(s, [0])  # A's four blocks cold: stamps 0-3, tail first
+    s, r = admit(alloc, s, [(0, [1, 2, 3, 4, 5, 6, 7])])  # revives A0-A2: three holes
+    s, _ = alloc.free(s, [int(r.seq_id[0])])  # ... cold again, stamps 4-6
+    alloc.check(s)
+    assert lru_of(s) == [a[3], a[2], a[1], a[0]]
+    assert (int(s.free.cold_head), int(s.free.cold_clock)) == (0, 7)
+    s, _ = alloc.free(s, [1])  # two more: 7 + 2 entries > 8 slots, so the ring is compacted
+    alloc.check(s)
+    assert lru_of(s) == [a[3], a[2], a[1], a[0], b[1], b[0]]
+    assert (int(s.free.cold_head), int(s.free.cold_clock)) == (3, 9)
+
+
+def test_a_pop_past_a_window_of_holes_compacts_and_takes_the_oldest_live_block():
+    # One token per block, so a few admissions make more holes than the window `oldest` scans
+    # (4 k + 1024 ring entries) before it compacts.
+    config = dataclasses.replace(COLD, num_blocks=2048, block_size=1, max_blocks_per_seq=1200,
+                                 with_pages=False, compressed_pools=(), host_blocks=0,
+                                 hash_bits=32)
+    alloc = Allocator(config)
+    s = alloc.init()
+    s, _ = alloc.register_tenant(s, 0, token_quota=10**6, byte_quota=2048 * config.pool_bytes[0])
     rng = np.random.default_rng(0)
-    for k in (1, 5, 64):
-        select = jax.jit(lambda state, k=k: lru(config, state, k))
-        for n in (0, 1, 3, 200, 1024):
-            clock = int(rng.integers(max(n, 1), 2**31 - 1))
-            stamps = rng.choice(clock, n, replace=False) if clock < 10**6 else np.unique(
-                rng.integers(0, clock, n))
-            n = len(stamps)
-            at = np.full(config.total_blocks, INVALID, np.int32)
-            at[rng.choice(config.num_blocks, n, replace=False)] = stamps
-            state = base.update(cold_at=at, cold_count=np.int32(n), cold_clock=np.int32(clock))
-            want = np.argsort(np.where(at >= 0, at, 2**31 - 1), kind="stable")[:min(k, n)]
-            assert _ints(select(state)[:min(k, n)]) == _ints(want), (k, n)
+
+    def one(state, toks):
+        width = 1100
+        tok = np.zeros((1, width), np.int32)
+        tok[0, :len(toks)] = toks
+        state, r = alloc.admit(state, np.zeros(1, np.int32), tok, np.array([len(toks)], np.int32))
+        assert r.reasons() == ["ok"]
+        return state, int(r.seq_id[0])
+
+    a_toks = np.concatenate([[1], rng.integers(0, 256, 1099)])
+    s, sa = one(s, a_toks)
+    s, sb = one(s, np.concatenate([[2], rng.integers(0, 256, 99)]))
+    a, b = _ints(s.seqs.block_tables[sa])[:1100], _ints(s.seqs.block_tables[sb])[:100]
+    s, _ = alloc.free(s, [sa])  # A cold, its tail the oldest
+    s, _ = alloc.free(s, [sb])  # then B
+    s, sa = one(s, a_toks)  # revives A[0..1098]: 1099 holes after A's tail in the ring
+    s, sc = one(s, np.concatenate([[3], rng.integers(0, 256, 846)]))  # the stack, emptied
+    alloc.check(s)
+    assert int(s.free.free_count[0]) == 0 and lru_of(s)[:2] == [a[1099], b[99]]
+    ring = lambda st: (int(st.free.cold_clock) - int(st.free.cold_head),  # noqa: E731
+                       int(st.free.cold_count))
+    assert ring(s) == (1200, 101)  # 1200 entries, 1099 of them holes
+    s, r1 = alloc.append(s, [sc], [5])  # the head entry is live: taken from the window
+    assert ring(s) == (1199, 100)
+    s, r2 = alloc.append(s, [sc], [5])  # 1028 holes ahead: compacted, then B's tail
+    alloc.check(s)
+    assert [int(r1.block[0]), int(r2.block[0])] == [a[1099], b[99]]
+    assert ring(s) == (99, 99) and lru_of(s) == b[98::-1]  # no hole left
 
 
 # ---- scrub, drop_cold ----------------------------------------------------------------------------
@@ -409,7 +445,7 @@ def test_donated_ops_give_the_arrays_of_plain_ones():
     assert leaves_equal(plain, donated)
 
 
-# ---- with no full block ever freed, the flag changes nothing ---------------------------------------
+# ---- with no full block ever freed, the flag changes nothing -----------------------------------
 def _program(config):
     """A fixed program of every op that frees no full pool-0 block; the state after each op."""
     alloc, s = fresh(config)
