@@ -326,7 +326,9 @@ class Allocator(TierOps, ReclaimOps):
         """Free sequences (i32[B], INVALID = padding): one reference dropped per block-table
         entry; blocks held by nothing return to their pool with their hash entries cleared
         (with `keep_cold_blocks`, full pool-0 blocks stay in the prefix cache as cold blocks,
-        uncharged free capacity that the next allocation short of stack blocks reuses)."""
+        uncharged free capacity that the next allocation short of stack blocks reuses; their
+        pages are trusted as cache content, so free a sequence only after its K/V are written,
+        never between admit and its prefill)."""
         self._check_state(state)
         ids = int_array("seq_ids", seq_ids, 1)
         if ids.size == 0:
