@@ -40,6 +40,7 @@ from kvquota.errors import (
     QuotaValueError,
     SequenceTooLongError,
     TenantExistsError,
+    TierError,
     TokenIdError,
     UnknownSequenceError,
     UnknownTenantError,
@@ -283,6 +284,10 @@ class Allocator(TierOps, ReclaimOps):
         resident and charged even with no references, and prefix lookups may still hit it."""
         self._check_state(state)
         ids, real = self._blocks(state, block_ids, "pin")
+        host = self.config.host_pool
+        if host is not None and real.size and (real >= self.config.pool_starts[host]).any():
+            raise TierError("pin: a host-pool block cannot be pinned (restore it first); a pin "
+                            "keeps a block resident on the device")
         if real.size:
             held = (np.asarray(state.blocks.ref_count[real]) > 0) | (np.asarray(state.blocks.pin_count[real]) > 0)
             if not held.all():

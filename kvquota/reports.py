@@ -97,7 +97,7 @@ class FreeReport(_HostUse):
 
     seqs_freed: jax.Array  # i32[]
     tokens_released: jax.Array  # i32[T]  logical tokens each tenant stopped using
-    blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
+    blocks_returned: jax.Array  # i32[POOLS]  blocks returned to each pool's free capacity
     quota_units_released: jax.Array  # i32[T]  charges dropped per tenant, in byte units
     transferred_blocks: jax.Array  # i32[]  blocks whose charge passed to an heir
     inherited_units: jax.Array  # i32[T]  charges taken over per heir, in byte units
@@ -156,7 +156,7 @@ class MoveReport(_HostUse):
     """
 
     moved_blocks: jax.Array  # i32[B]  own blocks moved per sequence
-    blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
+    blocks_returned: jax.Array  # i32[POOLS]  blocks returned to each pool's free capacity
     quota_units_released: jax.Array  # i32[T]  charges dropped per tenant in the source pool
     host_blocks_used: jax.Array  # i32[]  host pool blocks held after the move
     src_pool: int = struct.field(pytree_node=False, default=0)
@@ -190,7 +190,7 @@ class CompressReport(_HostUse):
     bytes returned. Always lossy: the compressed blocks' K/V are approximations from now on."""
 
     compressed_blocks: jax.Array  # i32[B]  blocks requantized per sequence
-    blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
+    blocks_returned: jax.Array  # i32[POOLS]  blocks returned to each pool's free capacity
     quota_units_released: jax.Array  # i32[T]  pool-0 charges dropped per tenant, in byte units
     host_blocks_used: jax.Array  # i32[]  host pool blocks held after the call
     pool: int = struct.field(pytree_node=False, default=1)  # the compressed pool written
@@ -225,7 +225,7 @@ class EvictReport(_HostUse):
 
     evicted_tokens: jax.Array  # i32[B]  tokens dropped per sequence
     copied_blocks: jax.Array  # i32[B]  fresh pool-0 blocks taken for copies on write
-    blocks_returned: jax.Array  # i32[POOLS]  blocks pushed back to each pool's free list
+    blocks_returned: jax.Array  # i32[POOLS]  blocks returned to each pool's free capacity
     quota_units_released: jax.Array  # i32[T]  charges dropped per tenant, in byte units
     transferred_blocks: jax.Array  # i32[]  shared blocks whose charge passed to an heir
     host_blocks_used: jax.Array  # i32[]  host pool blocks held after the call
@@ -274,7 +274,8 @@ class Ledger:
     shared_blocks: jax.Array  # i32[T, POOLS]  distinct blocks it references but others pay for
     reclaimable_blocks: jax.Array  # i32[T, POOLS]  charged, unpinned, referenced only by itself
     fragmentation: jax.Array  # i32[T]  device slots charged to it minus tokens stored in them
-    free_blocks: jax.Array  # i32[POOLS]
+    free_blocks: jax.Array  # i32[POOLS]  allocatable now: free lists, plus pool 0's cold blocks
+    cold_blocks: jax.Array  # i32[]  cold cached blocks (keep_cold_blocks): free, still cache
     pool_fragmentation: jax.Array  # i32[]  held device slots minus tokens stored in them
     growing: jax.Array  # bool[T]  grow-no-admit flag set by a reclaim plan
     preemptions: jax.Array  # i32[T]  sequences preempted so far

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvquota.core.cold import allocatable
 from kvquota.core.scatter import charged_units
 from kvquota.reports import Ledger, TenantReport
 from kvquota.state import KVState, StateConfig, pool_of
@@ -74,7 +75,8 @@ def ledger(config: StateConfig, state: KVState) -> Ledger:
         shared_blocks=shared,
         reclaimable_blocks=reclaim,
         fragmentation=frag,
-        free_blocks=s.free.free_count,
+        free_blocks=allocatable(config, s),
+        cold_blocks=s.free.cold_count,
         pool_fragmentation=slack.sum().astype(jnp.int32),
         growing=s.tenants.growing,
         preemptions=s.tenants.preemptions,

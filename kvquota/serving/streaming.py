@@ -91,7 +91,7 @@ class CachePolicy:
 def cache_bytes_by_pool(engine: PagedEngine) -> dict[str, int]:
     """Bytes of the blocks held in each pool (pool name -> bytes), from the state's ledger."""
     sc = engine.state_config
-    held = np.asarray(sc.pool_sizes) - np.asarray(engine.state.free.free_count)
+    held = np.asarray(sc.pool_sizes) - engine.allocator.allocatable_blocks(engine.state)
     names = list(sc.precisions) + (["host"] if sc.host_blocks else [])
     return {name: int(n) * b for name, n, b in zip(names, held, sc.pool_bytes)}
 

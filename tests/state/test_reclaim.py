@@ -328,3 +328,16 @@ def test_donated_apply_consumes_the_input():
     assert leaves_equal(jax.device_get(got), jax.device_get(want))
     with pytest.raises(E.StateMismatchError):
         alloc.ledger(s)
+
+
+def test_pinning_a_host_block_is_refused():
+    """A pin keeps a block resident on the device; a suspended sequence's host block is not
+    (restore would otherwise leave the pinned block behind on the host)."""
+    alloc, s = scenario()
+    s, _ = alloc.offload(s, [1, INVALID])
+    host_block = int(np.asarray(s.seqs.block_tables[1])[0])
+    assert host_block >= CFG.pool_starts[CFG.host_pool]
+    before = snapshot(s)
+    with pytest.raises(E.TierError):
+        alloc.pin_blocks(s, [host_block])
+    assert leaves_equal(s, before)
