@@ -683,18 +683,27 @@ CSV_COLUMNS = ("method", "variant", "budget", "budget_fraction", "budget_tokens"
                "passkey_accuracy", "chat_accuracy", "answer_kept")
 
 
+def ordered(metrics: dict) -> list[dict]:
+    """Every summary row: the control, then the methods in METHODS order, one-shot before
+    streaming, budgets increasing (metrics.json sorts its keys; tables and plots do not)."""
+    names = [qc.CONTROL, *qc.METHODS]
+    rows = [r for rs in metrics["methods"].values() for r in rs]
+    return sorted(rows, key=lambda r: (names.index(r["method"]) if r["method"] in names
+                                       else len(names), r["method"], r["variant"] == "streaming",
+                                       -1.0 if r["budget"] is None else r["budget"]))
+
+
 def write_csv(metrics: dict, path: pathlib.Path) -> None:
     """One row per method x variant x budget of metrics.json."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
-        for rows in metrics["methods"].values():
-            for row in rows:
-                flat = dict(row)
-                for key in (*TEXT_METRICS, "retrieval_accuracy"):
-                    ci = row.get(f"{key}_ci") or [None, None]
-                    flat[f"{key}_ci_low"], flat[f"{key}_ci_high"] = ci
-                writer.writerow(["" if flat.get(c) is None else flat[c] for c in CSV_COLUMNS])
+        for row in ordered(metrics):
+            flat = dict(row)
+            for key in (*TEXT_METRICS, "retrieval_accuracy"):
+                ci = row.get(f"{key}_ci") or [None, None]
+                flat[f"{key}_ci_low"], flat[f"{key}_ci_high"] = ci
+            writer.writerow(["" if flat.get(c) is None else flat[c] for c in CSV_COLUMNS])
 
 
 # ---- plots (from points.jsonl and metrics.json only) -------------------------------------------
@@ -706,7 +715,7 @@ def _label(row) -> str:
 
 def method_colors(plt, metrics) -> dict:
     """One color per method, in metrics order (the same in every plot)."""
-    names = [m for m in metrics["methods"] if m != qc.CONTROL]
+    names = [m for m in dict.fromkeys(r["method"] for r in ordered(metrics)) if m != qc.CONTROL]
     return {m: plt.cm.tab20(2 * i % 20 + (i >= 10)) for i, m in enumerate(names)}
 
 
@@ -721,11 +730,12 @@ def pareto_front(xy):
 
 
 def plot(points, metrics, out_dir) -> list[str]:
-    """pareto.png, retrieval_depth.png, kl_distributions.png."""
+    """pareto.png, retrieval_depth.png, kl_distributions.png (and quality.csv, the table)."""
     import matplotlib.pyplot as plt
 
     out_dir = pathlib.Path(out_dir)
-    rows = [r for rs in metrics["methods"].values() for r in rs
+    write_csv(metrics, out_dir / CSV_NAME)
+    rows = [r for r in ordered(metrics)
             if r["method"] != qc.CONTROL and r["delta_ppl_rel"] is not None]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     colors = method_colors(plt, metrics)
@@ -792,7 +802,8 @@ def plot(points, metrics, out_dir) -> list[str]:
     if text:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         centers = (KL_EDGES[:-1] + KL_EDGES[1:]) / 2
-        for name, rs in metrics["methods"].items():
+        for name in dict.fromkeys(r["method"] for r in ordered(metrics)):
+            rs = metrics["methods"][name]
             pick = [r for r in rs if r["variant"] == "oneshot"]
             row = _nearest(pick) or (pick[0] if pick else None)
             if row is None:
@@ -956,7 +967,6 @@ def execute(config: dict, *, runs_dir: str = runs.RUNS_DIR, overwrite: bool = Fa
                    "command": _measured_command(), "versions": runs.versions(),
                    "device": device, "seed": preset.seed,
                    "git_commit": run.config["git_commit"], "git_dirty": run.config["git_dirty"]}
-        write_csv(summary, path / CSV_NAME)
         _dump(path / "timing.json", {**timing, "load_average_1_5_15": list(os.getloadavg())})
         _dump(path / runs.METRICS, summary)
         runs.draw(path, plot)
@@ -1000,13 +1010,12 @@ def describe(summary: dict) -> str:
     def fmt(x, spec):
         return f"{x:{spec}}" if x is not None else "-".rjust(int(spec.split('.')[0]))
 
-    for rows in summary["methods"].values():
-        for r in rows:
-            lines.append(f"{_label(r):<24}{fmt(r['budget_fraction'], '8.3f')}"
-                         f"{fmt(r['bytes_freed'] and r['bytes_freed'] / MiB, '11.2f')}"
-                         f"{fmt(r['delta_ppl'], '10.4f')}{fmt(r['delta_ppl_rel'], '11.5f')}"
-                         f"{fmt(r['kl_mean'], '10.5f')}{fmt(r['top1_agreement'], '7.3f')}"
-                         f"{fmt(r['retrieval_accuracy'], '7.2f')}")
+    for r in ordered(summary):
+        lines.append(f"{_label(r):<24}{fmt(r['budget_fraction'], '8.3f')}"
+                     f"{fmt(r['bytes_freed'] and r['bytes_freed'] / MiB, '11.2f')}"
+                     f"{fmt(r['delta_ppl'], '10.4f')}{fmt(r['delta_ppl_rel'], '11.5f')}"
+                     f"{fmt(r['kl_mean'], '10.5f')}{fmt(r['top1_agreement'], '7.3f')}"
+                     f"{fmt(r['retrieval_accuracy'], '7.2f')}")
     for name, o in summary.get("orderings", {}).items():
         lines.append(f"ordering {name}: {o['holds']}")
     for method, why in summary.get("skipped", {}).items():

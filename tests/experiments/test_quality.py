@@ -167,12 +167,15 @@ def test_csv_plots_and_exported_results(twice, tmp_path):
     rows = list(csv.DictReader(open(run_dir / q.CSV_NAME)))
     assert len(rows) == sum(len(r) for r in summary["methods"].values())
     assert set(rows[0]) == set(q.CSV_COLUMNS)
+    order = list(dict.fromkeys(r["method"] for r in rows))
+    assert order == [qc.CONTROL, *qc.METHODS]  # not metrics.json's sorted keys
     for name in q.PLOTS:
         assert (run_dir / name).stat().st_size > 0, name
     # Plots come from the files alone.
-    for name in q.PLOTS:
+    for name in (*q.PLOTS, q.CSV_NAME):
         (run_dir / name).unlink()
     assert sorted(runs.replot(run_dir)) == sorted(q.PLOTS)
+    assert list(csv.DictReader(open(run_dir / q.CSV_NAME))) == rows
     results = run_dir.parent.parent / "first_results"
     assert (results / "metrics.json").read_bytes() == (run_dir / "metrics.json").read_bytes()
     assert "python -m experiments.quality" in (results / "command.txt").read_text()
