@@ -6,10 +6,12 @@ r"""The quality cost of every lossy reclaim means, against the bytes it really f
 
 Protocol (the clean one of the KV-compression literature, as kvpress runs it): the documents'
 contexts (C tokens each) are prefilled once into one paged state, one sequence and one tenant
-per document (so the ledger gives each document's bytes): in chunks of one block, the last W
-tokens (the window) as decode steps that record their attention (what H2O, SnapKV and TOVA
-score). Every condition then starts from a copy of that same state (`kq.serving.branch`: one
-copy, after which every op donates), applies one means at one budget to all documents at once,
+per document (so the ledger gives each document's bytes), in chunks of one block; the last W
+tokens (the window) also run as decode steps on a copy of the state, and the attention those
+steps gave each cached token (the kernels' mass output) is recorded into the prefilled state:
+what H2O, SnapKV and TOVA score. Every condition then starts from a copy of that same state
+(`kq.serving.branch`: one copy, after which every op donates), applies one means at one budget
+to all documents at once,
 and teacher-forces the next T tokens (`kq.serving.extend`, one block per chunk); its next-token
 distributions are compared with those of the untouched cache on the same tokens. The untouched
 cache is also run as a condition (`none`): its differences must be exactly 0. Quantizers also
@@ -24,8 +26,8 @@ tenant to `budget` x its bytes; a preempted document is recomputed on resume: lo
 
 Metrics per document: delta_ppl = ppl_modified - ppl_full, delta_ppl_rel = delta / ppl_full (a
 fraction), KL(full || modified) of the next-token distributions (mean, p90, p99 over the T - 1
-predicted tokens), top-1 agreement, and the fraction of the full cache's attention over the
-continuation (decode-step mass from the kernels) that fell on the tokens a method removed
+predicted tokens), top-1 agreement, and the fraction of the full cache's attention over the first
+MASS_STEPS = 32 continuation tokens (decode-step mass) that fell on the tokens a method removed
 (`removed_mass`) or compressed (`compressed_mass`). Retrieval probes run on a second state: a
 pass key hidden at several depths of pydoc filler and asked for at the end, and a multi-turn
 chat whose first turn states a fact asked for in the last; a probe is retrieved when every
