@@ -19,7 +19,6 @@ from kvquota import codes
 from kvquota import errors as E
 from kvquota.allocator import Allocator
 from kvquota.policies import REGISTRY
-from kvquota.sentinel import INVALID
 from tests.state.common import BLOCK, TINY, prompts, seq_tokens
 
 STATS = collections.Counter()
