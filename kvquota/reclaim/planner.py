@@ -24,6 +24,7 @@ from kvquota.codes import (
     FATE_RELEASED,
     FATE_SUSPENDED,
     FATE_UNTOUCHED,
+    SEQ_FREE,
     SEQ_IDLE,
     SEQ_RUNNING,
 )
@@ -78,11 +79,19 @@ class Planner:
         self.now = now
         self.evict_masks = evict_masks  # row -> bool[MB] kept blocks (the policy's choice)
         s = host.seqs
-        mine = np.isin(s.seq_tenant, victims) & (s.seq_status != 0)
+        mine = np.isin(s.seq_tenant, victims) & (s.seq_status != SEQ_FREE)
         self.rows = [int(r) for r in self._order(np.flatnonzero(mine))]
         self.fate = {r: FATE_UNTOUCHED for r in self.rows}
         self.moved = {}  # row -> blocks moved to host
         self.steps: list[PlanStep] = []
+        self.start_units = self.m.device_units(victims)
+        self.start_free = self.m.pool0_free()
+        self.host_short = False  # an offload found no room on the host (opens compression)
+        self.compress_pool = None
+        if config.compressed_pools:
+            names = [n for n, _ in config.compressed_pools]
+            self.compress_pool = 1 + names.index(policy.compress_format or names[0])
+        self.snapshot = self.m.copy()  # the model as the last recorded step left it
 
     def _order(self, rows):
         p, s = self.policy, self.host.seqs
@@ -221,15 +230,6 @@ class Planner:
 
     # ---- the whole plan --------------------------------------------------------------------
     def plan(self) -> tuple:
-        self.start_units = self.m.device_units(self.victims)
-        self.start_free = self.m.pool0_free()
-        self.host_short = False
-        self.compress_pool = None
-        if self.c.compressed_pools:
-            names = [n for n, _ in self.c.compressed_pools]
-            fmt = self.policy.compress_format or names[0]
-            self.compress_pool = 1 + names.index(fmt)
-        self.snapshot = self.m.copy()
         if self.request.kind == "lease_expiry":
             t = self.victims[0]
             self.m.drop(self.rows, unpin_tenant=t, victims=self.victims)

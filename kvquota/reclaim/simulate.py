@@ -100,12 +100,10 @@ class HostModel:
         self._settle(touched, tenants, set(victims), batch)
 
     def _settle(self, blocks, tenants, victims, batch_rows):
-        freed = blocks[(self.ref[blocks] == 0) & (self.pin[blocks] == 0)]
-        for b in freed:
-            p = self.pool[b]
-            self.charged[self.payer[b], p] -= 1
-            self.free[p] += 1
-            self.payer[b], self.prefs[b] = INVALID, 0
+        freed = blocks[(self.ref[blocks] == 0) & (self.pin[blocks] == 0)]  # distinct ids
+        np.subtract.at(self.charged, (self.payer[freed], self.pool[freed]), 1)
+        np.add.at(self.free, self.pool[freed], 1)
+        self.payer[freed], self.prefs[freed] = INVALID, 0
         orphans = blocks[(self.ref[blocks] > 0) & (self.pin[blocks] == 0)
                          & (self.prefs[blocks] == 0) & (self.payer[blocks] >= 0)]
         if not len(orphans):
