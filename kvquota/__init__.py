@@ -48,7 +48,7 @@ from kvquota.state import (
 )
 
 # ---- reclaim in one action, and the LMCache-style controller verbs ------------------------------
-from kvquota import controller
+from kvquota import controller, sharding, sim
 from kvquota.reclaim import (
     PRESETS as RECLAIM_PRESETS,
     PlanStep,
