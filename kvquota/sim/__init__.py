@@ -1,1 +1,21 @@
 """Traces of multi-tenant workloads and the metadata-only load test (DESIGN.md §2 `sim/`)."""
+
+# ---- traces: generation, token ids, summary; the JSONL format ------------------------------------
+from kvquota.sim.trace_io import TraceFormatError, load_trace, save_trace
+from kvquota.sim.traces import (
+    TenantSpec,
+    Trace,
+    TraceConfig,
+    TraceEvent,
+    TraceRequest,
+    generate_trace,
+    prompt_ids,
+    system_prompt_ids,
+    trace_summary,
+)
+
+__all__ = [
+    "TraceConfig", "TenantSpec", "TraceRequest", "TraceEvent", "Trace", "generate_trace",
+    "prompt_ids", "system_prompt_ids", "trace_summary", "save_trace", "load_trace",
+    "TraceFormatError",
+]
