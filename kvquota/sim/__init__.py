@@ -1,7 +1,7 @@
 """Traces of multi-tenant workloads and the metadata-only load test (DESIGN.md §2 `sim/`)."""
 
 # ---- traces: generation, token ids, summary; the JSONL format ------------------------------------
-from kvquota.sim.trace_io import TraceFormatError, load_trace, save_trace
+from kvquota.sim.trace_io import TraceFormatError, load_trace, save_trace, trace_summary
 from kvquota.sim.traces import (
     TenantSpec,
     Trace,
@@ -11,7 +11,6 @@ from kvquota.sim.traces import (
     generate_trace,
     prompt_ids,
     system_prompt_ids,
-    trace_summary,
 )
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Traces as JSONL files: `save_trace` / `load_trace`, exact round trip, every line validated.
+"""Traces as data on disk and in run records: `save_trace` / `load_trace` (JSONL, exact round
+trip, every line validated) and `trace_summary` (the figures a load test's record carries).
 
 The format (version 1), one JSON object per line, `kind` saying what the line is:
 
@@ -37,8 +38,11 @@ import json
 import math
 import os
 
+import numpy as np
+
 from kvquota.errors import InvalidArgumentError
-from kvquota.sim.traces import EVENT_KINDS, TenantSpec, Trace, TraceEvent, TraceRequest
+from kvquota.sim.traces import (EVENT_KINDS, TenantSpec, Trace, TraceEvent, TraceRequest,
+                                 system_prompt_ids)
 
 FORMAT, VERSION = "kvquota-trace", 1
 
@@ -269,8 +273,50 @@ def load_trace(path) -> Trace:
             if not raw.strip():
                 checker.fail(n, "blank line")
             try:
-                yield n, json.loads(raw, parse_constant=lambda c: checker.fail(n, f"non-finite number {c}"))
+                rec = json.loads(raw, parse_constant=lambda c: checker.fail(n, f"not finite: {c}"))
             except json.JSONDecodeError as e:
                 checker.fail(n, f"not JSON ({e.msg} at column {e.colno})")
+            yield n, rec
 
     return checker.build(records())
+
+
+# ---- summary -------------------------------------------------------------------------------------
+def _stats(x) -> dict:
+    x = np.asarray(x, np.float64)
+    if not x.size:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+    return {"mean": float(x.mean()), "p50": float(np.percentile(x, 50)),
+            "p99": float(np.percentile(x, 99)), "max": float(x.max())}
+
+
+def trace_summary(trace: Trace) -> dict:
+    """JSON-ready figures of a trace (for a run record): counts, length statistics (new prompt
+    tokens of every request; whole first prompts, system prompt included), sessions and turns,
+    span, requests per tenant, events."""
+    reqs = trace.requests
+    sys_len = {g: len(system_prompt_ids(trace, g)) for g in {r.system for r in reqs} - {-1}}
+    first = [r.prompt_tokens + sys_len.get(r.system, 0) for r in reqs if r.turn == 0]
+    turns = {}
+    for r in reqs:
+        if r.session >= 0:
+            turns[r.session] = turns.get(r.session, 0) + 1
+    arrivals = [r.arrival_s for r in reqs if r.arrival_s is not None]
+    span = max(arrivals) - min(arrivals) if arrivals else 0.0
+    per_tenant = {str(t.tenant): 0 for t in trace.tenants}
+    for r in reqs:
+        per_tenant[str(r.tenant)] = per_tenant.get(str(r.tenant), 0) + 1
+    return {
+        "requests": len(reqs), "tenants": len(trace.tenants),
+        "single_requests": sum(r.session < 0 for r in reqs),
+        "sessions": len(turns), "session_requests": sum(turns.values()),
+        "turns": _stats(list(turns.values())),
+        "think_s": _stats([r.think_s for r in reqs if r.turn > 0]),
+        "prompt_tokens": _stats([r.prompt_tokens for r in reqs]),
+        "first_prompt_tokens": _stats(first),
+        "output_tokens": _stats([r.output_tokens for r in reqs]),
+        "span_s": float(span), "arrival_rate_per_s": len(reqs) / span if span > 0 else 0.0,
+        "requests_per_tenant": per_tenant,
+        "events": [dataclasses.asdict(e) for e in trace.events],
+        "events_by_kind": {k: sum(e.kind == k for e in trace.events) for k in EVENT_KINDS},
+    }

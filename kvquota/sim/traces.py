@@ -34,7 +34,7 @@ The model of the workload (every number a `TraceConfig` field):
 Each part draws from its own child of the seed (`np.random.SeedSequence(seed).spawn`), so e.g.
 adding events leaves the requests unchanged. Token ids are not stored: `prompt_ids` and
 `system_prompt_ids` regenerate them from (seed, request id) or (seed, group). Saving and loading
-(JSONL, also for traces users bring) live in `kvquota.sim.trace_io`.
+(JSONL, also for traces users bring) and `trace_summary` live in `kvquota.sim.trace_io`.
 """
 
 from __future__ import annotations
@@ -430,44 +430,3 @@ def system_prompt_ids(trace: Trace, group: int) -> np.ndarray:
                                    f"{groups} group(s) of {length} system tokens)")
     rng = np.random.default_rng([seed, _SYSTEM_STREAM, group])
     return rng.integers(1, vocab, length, dtype=np.int32)
-
-
-# ---- summary -------------------------------------------------------------------------------------
-def _stats(x) -> dict:
-    x = np.asarray(x, np.float64)
-    if not x.size:
-        return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
-    return {"mean": float(x.mean()), "p50": float(np.percentile(x, 50)),
-            "p99": float(np.percentile(x, 99)), "max": float(x.max())}
-
-
-def trace_summary(trace: Trace) -> dict:
-    """JSON-ready figures of a trace (for a run record): counts, length statistics (new prompt
-    tokens of every request; whole first prompts, system prompt included), sessions and turns,
-    span, requests per tenant, events."""
-    reqs = trace.requests
-    sys_len = {g: len(system_prompt_ids(trace, g)) for g in {r.system for r in reqs} - {-1}}
-    first = [r.prompt_tokens + sys_len.get(r.system, 0) for r in reqs if r.turn == 0]
-    turns = {}
-    for r in reqs:
-        if r.session >= 0:
-            turns[r.session] = turns.get(r.session, 0) + 1
-    arrivals = [r.arrival_s for r in reqs if r.arrival_s is not None]
-    span = max(arrivals) - min(arrivals) if arrivals else 0.0
-    per_tenant = {str(t.tenant): 0 for t in trace.tenants}
-    for r in reqs:
-        per_tenant[str(r.tenant)] = per_tenant.get(str(r.tenant), 0) + 1
-    return {
-        "requests": len(reqs), "tenants": len(trace.tenants),
-        "single_requests": sum(r.session < 0 for r in reqs),
-        "sessions": len(turns), "session_requests": sum(turns.values()),
-        "turns": _stats(list(turns.values())),
-        "think_s": _stats([r.think_s for r in reqs if r.turn > 0]),
-        "prompt_tokens": _stats([r.prompt_tokens for r in reqs]),
-        "first_prompt_tokens": _stats(first),
-        "output_tokens": _stats([r.output_tokens for r in reqs]),
-        "span_s": float(span), "arrival_rate_per_s": len(reqs) / span if span > 0 else 0.0,
-        "requests_per_tenant": per_tenant,
-        "events": [dataclasses.asdict(e) for e in trace.events],
-        "events_by_kind": {k: sum(e.kind == k for e in trace.events) for k in EVENT_KINDS},
-    }
