@@ -184,9 +184,10 @@ class _Checker:
         kind, share = f["event"], f["quota_share"]
         if kind not in EVENT_KINDS:
             self.fail(line, f"unknown event {kind!r}; known: {', '.join(EVENT_KINDS)}")
-        if (kind == "quota_cut") != (share is not None):
-            self.fail(line, f"a {kind} event has quota_share "
-                            + ("null" if kind == "lease_expiry" else "a number"))
+        if kind == "quota_cut" and share is None:
+            self.fail(line, "a quota_cut event needs a quota_share (the new share)")
+        if kind == "lease_expiry" and share is not None:
+            self.fail(line, f"a lease_expiry event has quota_share null, got {share!r}")
         return TraceEvent(f["time_s"], kind, f["tenant"], share)
 
     def finish(self, config, tenants, systems, reqs, events, generated) -> Trace:

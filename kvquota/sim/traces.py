@@ -79,8 +79,8 @@ class TraceConfig:
     system_prompt_tokens: int = 512
     arrival: str = "poisson"
     rate_per_s: float = 50.0
-    burst_factor: float = 8.0
-    burst_mean_s: float = 10.0
+    burst_factor: float = 4.0
+    burst_mean_s: float = 5.0
     tenant_weights: Optional[tuple] = None
     tenant_skew: float = 1.0
     oversubscription: float = 1.2
