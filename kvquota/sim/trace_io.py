@@ -73,6 +73,14 @@ _LOWEST = {"tenant": 0, "group": -1, "salt_group": -1, "id": 0, "session": -1, "
            "system": -1, "prompt_tokens": 0, "output_tokens": 1, "arrival_s": 0,
            "think_s": 0, "time_s": 0, "quota_share": 0}
 
+# JSON values only: `type(v) is int` keeps bools (and NumPy scalars) out.
+_OK = {"int": lambda v: type(v) is int,
+       "float": lambda v: type(v) in (int, float) and math.isfinite(v),
+       "str": lambda v: type(v) is str, "dict": lambda v: type(v) is dict,
+       "ids": lambda v: type(v) is list and all(type(x) is int and x >= 0 for x in v)}
+_WANT = {"int": "an integer", "float": "a finite number", "str": "a string",
+         "dict": "an object", "ids": "a list of token ids (ints >= 0)"}
+
 
 class _Checker:
     """Validates records (line number, dict) in file order and builds the Trace."""
@@ -107,16 +115,8 @@ class _Checker:
         return kind, out
 
     def typed(self, line, kind, name, typ, v):
-        ok = {"int": isinstance(v, int) and not isinstance(v, bool),
-              "float": isinstance(v, (int, float)) and not isinstance(v, bool)
-              and math.isfinite(v),
-              "str": isinstance(v, str), "dict": isinstance(v, dict),
-              "ids": isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
-                                                 and x >= 0 for x in v)}[typ]
-        if not ok:
-            want = {"int": "an integer", "float": "a finite number", "str": "a string",
-                    "dict": "an object", "ids": "a list of token ids (ints >= 0)"}[typ]
-            self.fail(line, f"{kind} field {name!r} must be {want}, got {v!r}"[:300])
+        if not _OK[typ](v):
+            self.fail(line, f"{kind} field {name!r} must be {_WANT[typ]}, got {v!r}"[:300])
         if name in _LOWEST and v < _LOWEST[name]:
             self.fail(line, f"{kind} field {name!r} must be >= {_LOWEST[name]}, got {v!r}")
         return float(v) if typ == "float" else tuple(v) if typ == "ids" else v

@@ -29,7 +29,8 @@ The model of the workload (every number a `TraceConfig` field):
   bytes) are `oversubscription` x the tenant's weight, capped at 1: they may sum to more than 1.
 * Events at seeded times in the middle 90 % of the span of arrivals: `quota_cuts` cuts of seeded
   tenants to `cut_to` of their current share, `lease_expiries` expiries of distinct tenants
-  (never all of them; a tenant's cuts come before its expiry).
+  (never all of them; a tenant's cuts come before its expiry). A tenant's requests keep arriving
+  after its lease expired (its clients do not know): the replay refuses them.
 
 Each part draws from its own child of the seed (`np.random.SeedSequence(seed).spawn`), so e.g.
 adding events leaves the requests unchanged. Token ids are not stored: `prompt_ids` and
@@ -174,7 +175,8 @@ def _is_number(v) -> bool:
 @dataclasses.dataclass(frozen=True, slots=True)
 class TenantSpec:
     """A tenant: its group (-1: none), quota share (fraction of the pool's bytes; the shares
-    may sum to > 1, oversubscription) and prefix-cache salt group (-1: private salt)."""
+    may sum to > 1, oversubscription) and prefix-cache salt group (-1: private salt; else
+    register the tenant with share_group=salt_group, so a group's tenants share prefixes)."""
 
     tenant: int
     group: int
