@@ -17,6 +17,7 @@ import numpy as np
 from kvquota.sentinel import INVALID
 from kvquota.codes import INT32_MAX, SEQ_RUNNING
 from kvquota.hashing import block_hash, group_salt, private_salt, salt_root
+from kvquota.prefix_index import rebuild
 from kvquota.state import KVState, StateConfig, init_pages, init_state, pool_of
 
 
@@ -173,5 +174,6 @@ def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
         lease_expiry=np.full(ntn, INT32_MAX, np.int32), salt=salts,
         used_tokens=used_tokens, charged_blocks=charged, pinned_blocks=pinned,
         growing=np.zeros(ntn, bool), preemptions=np.zeros(ntn, np.int32),
+        **rebuild(c, hashed, block_h, block_salt, xp=np),  # the prefix index of the hashed blocks
     )
     return KVState.from_fields(init_pages(c), **arrays)

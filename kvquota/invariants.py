@@ -24,7 +24,10 @@ shows up as a difference rather than being repeated. It checks:
   * running sequences hold no host-pool block (only suspended ones do);
   * the ledger columns (used tokens, charged and pinned blocks per pool) equal their
     recomputation, and the charges add up to each pool's held blocks (the real watermark):
-    pool size - free list - cold blocks.
+    pool size - free list - cold blocks;
+  * the prefix index (`kvquota.prefix_index`) holds exactly the hashed blocks, each once, with
+    `slot_of` naming its slot; every entry is reachable (no EMPTY slot between its key's home,
+    recomputed here, and its slot); `occupied` counts the non-EMPTY slots and stays <= 3H/4.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kvquota.errors import InvariantError
 from kvquota.sentinel import INVALID
 from kvquota.codes import SEQ_FREE, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING, SEQ_SUSPENDED
 from kvquota.hashing import block_hash, salt_root
+from kvquota.prefix_index import EMPTY, TOMB, home, home_count, max_occupied
 from kvquota.state import KVState, StateConfig, pool_of, validate_state
 
 
@@ -262,6 +266,7 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     _flag(problems, "negative quota", (st.tenants.token_quota < 0) | (st.tenants.byte_quota < 0))
     _flag(problems, "unregistered tenant with a ledger",
           ~st.tenants.registered & ((st.tenants.used_tokens != 0) | (st.tenants.charged_blocks != 0).any(1)))
+    _check_index(problems, config, st)
     if problems:
         raise InvariantError(problems)
     return r
@@ -322,3 +327,35 @@ def _check_cold(problems, config: StateConfig, st, held, pools) -> np.ndarray:
         problems.append(f"cold blocks of another salt than their parent: {ids[bad][:5].tolist()}")
     return cold
 
+
+
+def _check_index(problems, config: StateConfig, st) -> None:
+    """The prefix index against the hashed blocks, recomputed from the slots alone."""
+    n0, hh = config.num_blocks, home_count(config)
+    slots, slot_of = st.index.slots, st.index.slot_of
+    entry = (slots >= 0) & (slots < n0)
+    _flag(problems, "index slot holding neither a pool-0 block nor EMPTY / TOMB",
+          ~entry & (slots != EMPTY) & (slots != TOMB))
+    at = np.flatnonzero(entry)
+    ids = slots[at]
+    count = np.bincount(ids, minlength=n0)[:n0]
+    hashed = st.blocks.hashed[:n0]
+    _flag(problems, "hashed block not in the prefix index", hashed & (count == 0))
+    _flag(problems, "block in the prefix index more than once", count > 1)
+    _flag(problems, "unhashed block in the prefix index", ~hashed & (count > 0))
+    want = np.full(n0, INVALID, np.int64)
+    want[ids] = at
+    _diff(problems, "index slot_of", slot_of, np.where(count == 1, want, INVALID))
+    # Reachable: no EMPTY in [home, slot] (a probe from the home stops at the first EMPTY).
+    h = home(st.blocks.block_hash[ids], st.blocks.block_salt[ids], hh, xp=np)
+    empties = np.concatenate([[0], np.cumsum(slots == EMPTY)])
+    unreachable = (h > at) | (empties[at + 1] - empties[np.minimum(h, at)] > 0)
+    if unreachable.any():
+        problems.append(f"index entries unreachable from their home slot (an EMPTY slot before "
+                        f"them): blocks {ids[unreachable][:5].tolist()}")
+    occupied = int((slots != EMPTY).sum())
+    if int(st.index.occupied) != occupied:
+        problems.append(f"index occupied = {int(st.index.occupied)}, {occupied} slots not EMPTY")
+    if occupied > max_occupied(config):
+        problems.append(f"index has {occupied} slots not EMPTY, over its load bound "
+                        f"{max_occupied(config)} (probes might run off its end)")

@@ -38,6 +38,7 @@ from kvquota.accounting import KVLayout, check_positive
 from kvquota.codes import INT32_MAX, TIER_DEVICE, TIER_HOST
 from kvquota.errors import StateMismatchError
 from kvquota.pages import PoolPages, init_pages
+from kvquota.prefix_index import PrefixIndex, init_index
 from kvquota.sentinel import INVALID
 
 
@@ -294,7 +295,7 @@ class Tenants:
     preemptions: jax.Array  # i32[T]  sequences of the tenant preempted so far
 
 
-_GROUPS = {"blocks": Blocks, "free": FreeLists, "seqs": Sequences, "tenants": Tenants}
+_GROUPS = {"blocks": Blocks, "free": FreeLists, "seqs": Sequences, "tenants": Tenants, "index": PrefixIndex}
 _FIELD_GROUP = {f.name: g for g, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
 
 
@@ -308,6 +309,7 @@ class KVState:
     free: FreeLists
     seqs: Sequences
     tenants: Tenants
+    index: PrefixIndex  # the prefix cache's hash index of the hashed blocks (kvquota.prefix_index)
 
     def update(self, **fields) -> "KVState":
         """A copy with the named leaf fields replaced, each routed to its sub-pytree
@@ -394,6 +396,7 @@ def init_state(config: StateConfig) -> KVState:
         pinned_blocks=i32((t, npools)),
         growing=np.zeros((t,), bool),
         preemptions=i32((t,)),
+        **init_index(config),
     )
 
 

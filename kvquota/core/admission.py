@@ -21,6 +21,7 @@ from kvquota.codes import (
     SKIPPED_PADDING,
 )
 from kvquota.core.cold import allocatable, revive_inputs, revivers, take_pool0
+from kvquota.core.index import index_blocks
 from kvquota.core.pages import copy_blocks
 from kvquota.core.prefix import chain_hashes, lookup
 from kvquota.core.scatter import after, charged_units, clip, oob
@@ -200,7 +201,7 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         hit_blocks=jnp.where(ok, nhit, 0),
         new_blocks=jnp.where(ok, nnew, 0),
     )
-    return state, report
+    return index_blocks(config, state, new_ids.ravel()), report  # the new full blocks
 
 
 # ---- append -----------------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
     report = AppendReport(
         appended=ok, reason=reason, block=blk, offset=jnp.where(ok, off, INVALID), new_block=alloc
     )
-    return state, report
+    return index_blocks(config, state, fi), report  # the blocks that became full
 
 
 # ---- fork -------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from flax import struct
 from jax import lax
 
 from kvquota.codes import INT32_MAX
+from kvquota.core.index import forget
 from kvquota.core.pages import scrub_blocks
 from kvquota.core.scatter import clip, oob
 from kvquota.sentinel import INVALID
@@ -46,7 +47,7 @@ def allocatable(config: StateConfig, state: KVState, xp=jnp):
 def leave_cache(config: StateConfig, state: KVState, ids) -> KVState:
     """Cold blocks `ids` (i32[K], INVALID = none) leave the prefix cache: the tombstone of a
     free block (fill 0, no hash, salt or parent, generation bumped), no LRU stamp, pages scrubbed
-    under scrub_on_free. The caller counts them out of `cold_count`."""
+    under scrub_on_free, no index entry. The caller counts them out of `cold_count`."""
     nb = config.total_blocks
     keep = ids >= 0
     i = oob(ids, keep, nb)
@@ -61,6 +62,7 @@ def leave_cache(config: StateConfig, state: KVState, ids) -> KVState:
         generation=b.generation.at[i].add(1, mode="drop"),
         cold_at=b.cold_at.at[i].set(INVALID, mode="drop"),
     )
+    state = forget(config, state, i)
     if config.scrub_on_free:
         state = state.replace(pages=scrub_blocks(config, state.pages, ids, keep))
     return state

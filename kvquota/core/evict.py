@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvquota.core.index import forget
 from kvquota.core.pages import copy_blocks
 from kvquota.core.prefix import chain_hashes
 from kvquota.core.release import heir_inputs, settle
@@ -128,6 +129,7 @@ def evict_tokens(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
         charged_blocks=s.tenants.charged_blocks.at[oob(ten, valid, ntn), 0].add(
             pl["fresh"].sum(axis=1).astype(jnp.int32), mode="drop"),
     )
+    state = forget(config, state, written.ravel())  # rewritten blocks leave the prefix index
     if s.pages:
         # Only pool-0 blocks are rewritten (the facade refuses sequences holding compressed
         # blocks in token mode); gather every kept token from the old pages, then scatter.
@@ -224,6 +226,7 @@ def evict_blocks(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
         charged_blocks=s.tenants.charged_blocks.at[oob(ten, valid, ntn), 0].add(
             pl["fresh"].sum(axis=1).astype(jnp.int32), mode="drop"),
     )
+    state = forget(config, state, rew.ravel())  # re-chained blocks leave the prefix index
     if s.pages:
         state = state.replace(pages=copy_blocks(config, s.pages, pl["rows"].ravel(),
                                                 pl["fresh_ids"].ravel(), pl["fresh"].ravel()))

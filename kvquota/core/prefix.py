@@ -5,15 +5,19 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from kvquota.core import index
 from kvquota.core.scatter import clip
 from kvquota.hashing import block_hash, salt_root
 from kvquota.sentinel import INVALID
 
-def candidates(config, state, hashes, salts, tokens):
-    """Up to C blocks per query whose hash, salt and token ids all match: i32[Q, C].
 
-    hashes u32[Q, 2], salts u32[Q], tokens i32[Q, P]. Cost O(Q * NB): a brute-force join that is
-    exact and simple; sizes here are serving-step sizes (Q = batch x prompt blocks).
+def brute_force_candidates(config, state, hashes, salts, tokens):
+    """Up to C blocks per query whose hash, salt and token ids all match: i32[Q, C], the C
+    lowest-id blocks with the key, each kept only if its token ids equal the query's.
+
+    hashes u32[Q, 2], salts u32[Q], tokens i32[Q, P]. Cost O(Q * NB): a join over every block,
+    exact and simple; the oracle of the hash index (`index.candidates`, which `lookup` uses)
+    and the baseline of its benchmark.
     """
     eq = (
         (state.blocks.block_hash[None, :, 0] == hashes[:, 0:1])
@@ -36,14 +40,15 @@ def candidates(config, state, hashes, salts, tokens):
 def lookup(config, state, salts, hashes, tokens, usable):
     """Leading prefix-cache hits of each prompt: i32[B, M] (INVALID after the first miss).
 
-    A candidate for block k is accepted only if its parent is the hit for block k - 1 (and that
+    Candidates come from the hash index in O(B x M) (only the `usable` positions are looked
+    up: the others are never hits). A candidate for block k is accepted only if its parent is the hit for block k - 1 (and that
     parent has not been freed and reused since: `parent_gen`), so the whole prefix is checked
     token by token, not just the last block, and a hash collision never yields a wrong block.
     """
     b, m = usable.shape
-    cands = candidates(
+    cands = index.candidates(
         config, state, hashes.reshape(b * m, 2), jnp.repeat(salts, m),
-        tokens.reshape(b * m, -1),
+        tokens.reshape(b * m, -1), usable.reshape(b * m),
     ).reshape(b, m, -1)
 
     def step(carry, xs):

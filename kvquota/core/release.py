@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from kvquota.codes import SEQ_FREE
 from kvquota.core.cold import stamp_cold
+from kvquota.core.index import forget
 from kvquota.core.pages import scrub_blocks
 from kvquota.core.scatter import after, clip, device_units, oob
 from kvquota.reports import FreeReport
@@ -127,7 +128,7 @@ def settle(config, state, touched, heirs, reads=()):
     )
     if cold is not None:
         updates.update(stamp_cold(config, s, b, cold))
-    state = s.update(**updates)
+    state = forget(config, s.update(**updates), pi)  # pushed blocks leave the prefix index
     if config.scrub_on_free:
         state = state.replace(pages=scrub_blocks(config, s.pages, b, pushed))
     host_used = (config.pool_sizes[config.host_pool] - state.free.free_count[config.host_pool]

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from kvquota.codes import SEQ_RUNNING, SEQ_SUSPENDED
 from kvquota.core.cold import take_pool0
+from kvquota.core.index import index_blocks
 from kvquota.core.release import settle
 from kvquota.core.scatter import clip, oob
 from kvquota.pages import to_memory
@@ -125,6 +126,8 @@ def relocate(config: StateConfig, state: KVState, seq_ids, move, src_pool: int, 
     if s.pages:
         state = state.replace(pages=new_pages(s.pages, rows, new, move))
     state, rep = settle(config, state, jnp.where(move, rows, INVALID).ravel(), None)
+    if dst_pool == 0:  # the moved blocks that are lookup targets join the prefix index
+        state = index_blocks(config, state, dst.ravel())
     return state, per_seq, rep
 
 
