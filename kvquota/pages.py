@@ -74,10 +74,16 @@ def init_pages(config: StateConfig) -> tuple[PoolPages, ...]:
 def to_memory(tree, host: bool):
     """Inside jit: place every array of `tree` in host (`pinned_host`) or device memory, where
     the backend has host memory (else unchanged). Moves between the host pool and a device pool
-    go through this explicitly, so XLA never mixes memory spaces in one gather or scatter."""
+    go through this explicitly, so XLA never mixes memory spaces in one gather or scatter. Only
+    the memory space changes: a pool split over a mesh (`kvquota.sharding`) stays split (older
+    jax, without `jax.memory.Space`: the default device's memory, single-device states only)."""
     sharding = host_sharding()
     if sharding is None:
         return tree
+    space = getattr(getattr(jax, "memory", None), "Space", None)
+    if space is not None:  # the memory space alone: each array keeps its sharding
+        target = space.Host if host else space.Device  # (a mesh-sharded pool stays split)
+        return jax.tree.map(lambda a: jax.device_put(a, target), tree)
     if not host:
         device = next(iter(sharding.device_set))
         sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="device")

@@ -3,8 +3,8 @@ and the suite's strict JAX settings themselves.
 
 DESIGN.md "Scale": the same state is sharded with `jax.sharding`, KV heads across devices and
 sequences replicated or data-parallel. These checks run the plain-JAX reference decode on a
-sharded pool-0 page array `[L, Hkv, N, P, D]` and compare with the unsharded result; later
-sharding tests belong here.
+sharded pool-0 page array `[L, Hkv, N, P, D]` and compare with the unsharded result; the state,
+the model and the allocator ops on a mesh (`kvquota.sharding`) are tested in test_sharding.py.
 """
 
 import jax

@@ -33,6 +33,10 @@ the merged softmax, exp(lse_pool - lse_merged), before the group mean (hence one
 per head: each query head is its own batch row), and mapped back from the pool's compacted
 columns to the table's (`PoolTables.slots`).
 
+Under a mesh (`kvquota.sharding.use_mesh`) every kernel call (`_kernel`) and every pool-0 write
+runs in `shard_map` over the KV heads (`kvquota.sharding`); with no mesh in context nothing of it
+is traced.
+
 Both writes drop padding tokens by pointing them out of bounds (`mode="drop"`); the sentinel
 (negative) is never used as an index, since negative indices would wrap around. Paged writes go
 to pool 0 only: a block id outside pool 0 (a compressed block: never the tail for a correct
@@ -234,13 +238,37 @@ def _paged_write(cache: PagedKV, layer, k, v, meta: ChunkMeta) -> PagedKV:
     # padding / sentinel -> N0; ids >= N0 (other pools) are out of bounds: both dropped
     block = jnp.where(real & (block >= 0), block, num_blocks)
     offset = idx % page
-    new_k = cache.k_pages.at[layer, :, block, offset, :].set(
-        k.astype(cache.k_pages.dtype), mode="drop"
-    )
-    new_v = cache.v_pages.at[layer, :, block, offset, :].set(
-        v.astype(cache.v_pages.dtype), mode="drop"
-    )
+    from kvquota import sharding
+
+    mesh = sharding.context_mesh()
+    if mesh is None:
+        new_k = _scatter(cache.k_pages, layer, block, offset, k)
+        new_v = _scatter(cache.v_pages, layer, block, offset, v)
+    else:  # each device writes its own heads (`kvquota.sharding`)
+        new_k = sharding.sharded_write(_scatter, cache.k_pages, layer, block, offset, k, mesh=mesh)
+        new_v = sharding.sharded_write(_scatter, cache.v_pages, layer, block, offset, v, mesh=mesh)
     return cache.replace(k_pages=new_k, v_pages=new_v)
+
+
+def _scatter(pages, layer, block, offset, values):
+    """pages f[L, Hkv, N0, P, D] with values [B, T, Hkv, D] at [layer, :, block, offset, :]
+    (block i32[B, T]: N0 drops the entry)."""
+    return pages.at[layer, :, block, offset, :].set(values.astype(pages.dtype), mode="drop")
+
+
+def _kernel(name: str, q, k_pages, v_pages, *args, layer, **kwargs):
+    """`kernels.paged_attention.<name>` (decode or prefill), run in `shard_map` over the KV heads
+    when a mesh with a "kv" axis is in context (`kvquota.sharding.use_mesh`); else the plain call,
+    exactly as without sharding."""
+    from kernels import paged_attention
+    from kvquota import sharding
+
+    fn = getattr(paged_attention, name)
+    mesh = sharding.context_mesh()
+    if mesh is None:
+        return fn(q, k_pages, v_pages, *args, layer=layer, **kwargs)
+    return sharding.sharded_attention(fn, q, k_pages, v_pages, *args, mesh=mesh, layer=layer,
+                                      **kwargs)
 
 
 def _fold(chunk: int, group: int, backend: str) -> int:
@@ -266,8 +294,6 @@ def _attend_all(q, k_pages, v_pages, layer, tables, lengths, sm_scale: float, ba
     bound the query positions too. Sequences with no block here give zeros and lse = -inf; when
     no sequence of the batch has one the kernel is skipped (`lax.cond`).
     """
-    from kernels import paged_attention
-
     b, t, hq, d = q.shape
     hkv = jax.tree_util.tree_leaves(k_pages)[0].shape[1]  # [L, Hkv, ...] in every array
     g = hq // hkv
@@ -278,9 +304,8 @@ def _attend_all(q, k_pages, v_pages, layer, tables, lengths, sm_scale: float, ba
     rep_lengths = jnp.repeat(lengths, n) if n > 1 else lengths
 
     def run():
-        out, aux = paged_attention.decode(qf, k_pages, v_pages, rep_tables, rep_lengths,
-                                          sm_scale=sm_scale, return_lse=True, backend=backend,
-                                          layer=layer)
+        out, aux = _kernel("decode", qf, k_pages, v_pages, rep_tables, rep_lengths,
+                           sm_scale=sm_scale, return_lse=True, backend=backend, layer=layer)
         return out, aux.lse
 
     def empty():
@@ -299,27 +324,27 @@ def _paged_attend(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: float, ba
     k_pages, v_pages = cache.k_pages, cache.v_pages  # [L, Hkv, N, P, D], read at `layer`
     if not cache.compressed:  # the single-pool path: the raw table, one call
         if q.shape[1] == 1:
-            out = paged_attention.decode(
-                q[:, 0], k_pages, v_pages, meta.block_tables, meta.lengths,
+            out = _kernel(
+                "decode", q[:, 0], k_pages, v_pages, meta.block_tables, meta.lengths,
                 sm_scale=sm_scale, backend=backend, layer=layer,
             )
             return out[:, None]
-        return paged_attention.prefill(
-            q, k_pages, v_pages, meta.block_tables, meta.lengths, meta.start,
+        return _kernel(
+            "prefill", q, k_pages, v_pages, meta.block_tables, meta.lengths, meta.start,
             sm_scale=sm_scale, backend=backend, layer=layer,
         )
     pools = meta.pools
     tables0, lengths0 = pools.tables[0], pools.lengths[0]
     if q.shape[1] == 1:  # the query is the last pool-0 token
-        out0, aux0 = paged_attention.decode(
-            q[:, 0], k_pages, v_pages, tables0, lengths0,
+        out0, aux0 = _kernel(
+            "decode", q[:, 0], k_pages, v_pages, tables0, lengths0,
             sm_scale=sm_scale, return_lse=True, backend=backend, layer=layer,
         )
         outs, lses = [out0[:, None]], [aux0.lse[:, None]]
     else:  # every other pool's tokens precede the chunk: shift it by their count
         start0 = meta.start - (meta.lengths - lengths0)
-        out0, aux0 = paged_attention.prefill(
-            q, k_pages, v_pages, tables0, lengths0, start0,
+        out0, aux0 = _kernel(
+            "prefill", q, k_pages, v_pages, tables0, lengths0, start0,
             sm_scale=sm_scale, return_lse=True, backend=backend, layer=layer,
         )
         outs, lses = [out0], [aux0.lse]
@@ -341,8 +366,6 @@ def _decode_per_head(q, k_pages, v_pages, layer, tables, lengths, page: int, sm_
     """Decode of q [B, Hq, D] over layer `layer` of one pool with each query head its own batch
     row (group 1), so the kernels' mass is per head -> (out [B, Hq, D], lse f32[B, Hq], mass
     f32[B, Hq, M*P]). A pool no sequence of the batch holds anything of is skipped (`lax.cond`)."""
-    from kernels import paged_attention
-
     b, hq, d = q.shape
     hkv = jax.tree_util.tree_leaves(k_pages)[0].shape[1]  # [L, Hkv, ...] in every array
     g = hq // hkv
@@ -350,9 +373,9 @@ def _decode_per_head(q, k_pages, v_pages, layer, tables, lengths, page: int, sm_
     qh = q.reshape(b, hkv, g, d).transpose(0, 2, 1, 3).reshape(b * g, hkv, d)
 
     def run():
-        out, aux = paged_attention.decode(qh, k_pages, v_pages, jnp.repeat(tables, g, axis=0),
-                                          jnp.repeat(lengths, g), sm_scale=sm_scale,
-                                          mass="token", backend=backend, layer=layer)
+        out, aux = _kernel("decode", qh, k_pages, v_pages, jnp.repeat(tables, g, axis=0),
+                           jnp.repeat(lengths, g), sm_scale=sm_scale, mass="token",
+                           backend=backend, layer=layer)
         return out, aux.lse, aux.mass
 
     def empty():
@@ -380,9 +403,9 @@ def _paged_attend_mass(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: floa
     k_pages, v_pages = cache.k_pages, cache.v_pages  # [L, Hkv, N, P, D], read at `layer`
     page, m = cache.k_pages.shape[3], meta.block_tables.shape[1]
     if not cache.compressed:  # the single-pool path's call, its out unchanged
-        out, aux = paged_attention.decode(q[:, 0], k_pages, v_pages, meta.block_tables,
-                                          meta.lengths, sm_scale=sm_scale, mass="token",
-                                          backend=backend, layer=layer)
+        out, aux = _kernel("decode", q[:, 0], k_pages, v_pages, meta.block_tables,
+                           meta.lengths, sm_scale=sm_scale, mass="token", backend=backend,
+                           layer=layer)
         return out[:, None], jnp.sum(aux.mass, axis=1)
     pools = meta.pools
     parts = [(k_pages, v_pages)] + list(cache.compressed)

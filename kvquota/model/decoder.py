@@ -186,6 +186,10 @@ class Decoder(nn.Module):
             width = meta.block_tables.shape[1] * cache.k_pages.shape[3]
             carry = carry + (jnp.zeros((tokens.shape[0], width), jnp.float32),)
         (h, cache, *mass), _ = layers(carry, layer_ids, cos, sin, meta)
+        if mass:  # under a mesh: replicated, like the per-block metadata it is added to
+            from kvquota.sharding import replicated
+
+            mass = [replicated(mass[0])]
         if last_only:
             last = jnp.maximum(meta.num_new - 1, 0)[:, None, None]  # [B, 1, 1]
             h = jnp.take_along_axis(h, last, axis=1)  # [B, 1, H]
