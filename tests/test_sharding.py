@@ -4,7 +4,8 @@ Each multidevice snippet runs the same work twice in one process, on one device 
 and compares: logits within the suite's f32 tolerances, greedy tokens and every integer leaf of
 the state exactly, and every leaf's sharding after every step. The compiled HLO of the model
 step and of every allocator core must move no page data between devices. Typed errors for bad
-meshes are checked here (one device) and in the snippets (the KV-head split).
+meshes are checked here (one device) and in the snippets (the KV-head split). Slow: the op
+script compared with one device, and the serving scheduler on the mesh.
 """
 
 import numpy as np
@@ -319,3 +320,51 @@ def test_one_device_mesh_is_the_plain_run():
     for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(placed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     kq.check_invariants(sc, placed)
+
+
+SCHEDULER = """
+import contextlib
+import numpy as np, jax
+import kvquota as kq
+from kvquota import sharding as ks
+from kvquota.serving import Event, ModelExecutor, Request, Scheduler
+
+cfg = kq.get_model_config("tiny-qwen")
+sc = kq.StateConfig(cfg, num_blocks=48, block_size=4, max_seqs=4, max_blocks_per_seq=16,
+                    num_tenants=3, kv_format="f32", host_blocks=32, keep_cold_blocks=True)
+block = sc.pool_bytes[0]
+params = kq.init_params(cfg, seed=0, scale=0.1)
+mesh = ks.make_mesh(kv=2, seq=4)
+
+def serve(sharded):
+    p = ks.shard_params(params, mesh, cfg) if sharded else params
+    state = ks.shard_state(kq.Allocator(sc).init(), mesh) if sharded else None
+    cut = [Event(5, "quota_cut", 0, byte_quota=0), Event(9, "burst", 0, byte_quota=40 * block)]
+    s = Scheduler(ModelExecutor(cfg, p, sc, prefill_rows=2, chunk_size=16), state=state,
+                  events=cut, policy="swap-all", drift_every=1, check_every=1)
+    for t in range(2):
+        s.register_tenant(t, token_quota=10**6, byte_quota=40 * block)
+    rng = np.random.default_rng(1)
+    reqs = [s.submit(Request(i % 2, [int(x) for x in rng.integers(0, 256, 9)], 20))
+            for i in range(4)]
+    with ks.use_mesh(mesh) if sharded else contextlib.nullcontext():
+        summary = s.run(max_steps=100)
+    return [r.tokens for r in reqs], summary, s.state
+
+want, plain, _ = serve(False)
+got, split, state = serve(True)
+report(equal=got == want, suspensions=[plain["suspensions"], split["suspensions"]],
+       drift=split["ledger_drift_max"],
+       specs=sorted({str(a.sharding.spec) for a in jax.tree_util.tree_leaves(state)}))
+"""
+
+
+@pytest.mark.slow
+def test_scheduler_on_a_sharded_state_matches_one_device(multidevice):
+    """The serving scheduler (fused append + forward + sample, a quota cut that suspends
+    tenant 0's requests to the host pool and a top-up that restores them, check_invariants
+    every step) gives the one-device greedy tokens on the 2 x 4 mesh, the state still split."""
+    result = multidevice(SCHEDULER, timeout=600)
+    assert result["equal"], result
+    assert result["suspensions"] == [2, 2] and result["drift"] == 0
+    assert result["specs"] == sorted({str(PartitionSpec()), str(PartitionSpec(None, "kv"))})
