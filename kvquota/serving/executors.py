@@ -59,6 +59,8 @@ class StepBatch:
       their chunk's first token, its real length, and the key of the token sampled after it.
     pre_tok/pre_pos: i32[Bp, T]: the chunk's token ids and their logical (RoPE) positions.
     host_bytes: bytes moved over the host link since the last step (restores, offloads).
+    row_pools: i32[Bd + Bp, POOLS]: each row's table entries in pools 1.. (column 0 unused),
+      from the host mirror: what the cost model's KV read is made of beside pool 0.
     """
 
     dec_seq: np.ndarray
@@ -71,6 +73,7 @@ class StepBatch:
     pre_pos: np.ndarray
     pre_key: np.ndarray
     host_bytes: int = 0
+    row_pools: np.ndarray = None
 
     @property
     def has_prefill(self) -> bool:
@@ -81,23 +84,45 @@ class StepBatch:
         return int(np.where(self.pre_seq >= 0, self.pre_num, 0).sum())
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
+def _pool_entries(tables, *, config):
+    """i32[S, POOLS]: each slot's table entries per pool (O(slots x MB), after reclaims only)."""
+    entries = tables >= 0
+    pools = pool_of(config, clip(tables))
+    return jnp.stack([(entries & (pools == k)).sum(axis=1) for k in range(config.num_pools)],
+                     axis=1).astype(jnp.int32)
+
+
 class HostMirror:
     """The scheduler's host copy of every slot's cached length, logical position, status and
     tenant (i32[S] / i8[S] NumPy arrays), kept exact by the scheduler after each op, and
-    re-read from the state (one sync, O(slots)) after ops it does not model (reclaims)."""
+    re-read from the state (one sync, O(slots)) after ops it does not model (reclaims). With
+    `config`, also each slot's table entries per pool (`pools` i32[S, POOLS]): only a reclaim
+    (compress, evict, offload) or a restore moves entries out of pool 0, and a new sequence
+    starts in pool 0 (only full-precision device blocks are prefix-cache hits)."""
 
-    def __init__(self, state):
+    def __init__(self, state, config: StateConfig | None = None):
+        self.config = config
         self.refresh(state)
 
     def refresh(self, state):
         s = state.seqs
         got = jax.device_get((s.seq_lens, s.positions, s.seq_status, s.seq_tenant))
         self.length, self.position, self.status, self.tenant = (np.array(a) for a in got)
+        self.pools = None if self.config is None else np.array(jax.device_get(
+            _pool_entries(s.block_tables, config=self.config)))
 
     def set(self, seqs, *, length=0, status=SEQ_FREE, tenant=INVALID):
         for q in seqs:
             self.length[q] = self.position[q] = length
             self.status[q], self.tenant[q] = status, tenant
+        if self.pools is not None:
+            self.pools[np.asarray(seqs, np.int64)] = 0
+
+    def restored(self, seq: int):
+        """A restore brought the slot's host entries back to pool 0."""
+        if self.pools is not None and self.config.host_pool is not None:
+            self.pools[seq, self.config.host_pool] = 0
 
     def check_decode(self, config: StateConfig, seqs):
         """What the facade's append would check, on the mirror: RUNNING, table not full,
@@ -143,6 +168,10 @@ def build_batch(executor, dec, pre, mirror: HostMirror, host_bytes: int = 0) -> 
                   np.zeros((bp, 2), np.int32), host_bytes)
     for i, r in enumerate(dec):
         b.dec_seq[i], b.dec_tok[i], b.dec_key[i] = r.seq, r.tokens[-1], (r.id, len(r.tokens))
+    if mirror.pools is not None:
+        b.row_pools = np.zeros((bd + bp, mirror.pools.shape[1]), np.int32)
+        b.row_pools[: len(dec)] = mirror.pools[b.dec_seq[: len(dec)]]
+        b.row_pools[bd: bd + len(pre)] = mirror.pools[[r.seq for r, _ in pre]]
     for i, (r, n) in enumerate(pre):
         b.pre_seq[i], b.pre_start[i], b.pre_num[i] = r.seq, r.prefilled, n
         b.pre_tok[i, :n] = r.context[r.prefilled: r.prefilled + n]
@@ -158,6 +187,8 @@ class StepOutput:
     dec_next i32[Bd], appended bool[Bd], reason i32[Bd] (kvquota.codes), pre_next i32[Bp];
     charged i32[T, POOLS], used_tokens i32[T], free_blocks i32[POOLS] after the step;
     block_reads i32[POOLS]: table entries the step's rows attend over (cost model only, else 0).
+    slack_tokens: unused token slots in the blocks of the step's rows (table entries x block
+      size - cached length, summed; cost model only, else 0): the partly filled blocks' waste.
     seconds: wall time (ModelExecutor) or modelled time (CostModelExecutor).
     """
 
@@ -170,6 +201,7 @@ class StepOutput:
     free_blocks: np.ndarray
     block_reads: np.ndarray
     seconds: float
+    slack_tokens: int = 0
 
 
 def _ledger_tail(config: StateConfig, state, reads):
@@ -188,7 +220,7 @@ def _unpack(config: StateConfig, flat: np.ndarray, bd: int, bp: int, seconds: fl
     return StepOutput(dec_next=take(bd), appended=take(bd).astype(bool), reason=take(bd),
                       pre_next=take(bp), charged=take(t * pools).reshape(t, pools),
                       used_tokens=take(t), free_blocks=take(pools), block_reads=take(pools),
-                      seconds=seconds)
+                      slack_tokens=int(take(1)[0]), seconds=seconds)
 
 
 def _sample(logits, keys, *, temperature: float, top_k: int, seed: int):
@@ -232,7 +264,7 @@ def _model_step(model, params, state, dec_seq, dec_tok, dec_key, pre_seq, pre_to
         parts.append(_sample(plogits, pre_key, **knobs))
     else:
         parts.append(jnp.zeros(pre_seq.shape, jnp.int32))
-    reads = jnp.zeros((config.num_pools,), jnp.int32)
+    reads = jnp.zeros((config.num_pools + 1,), jnp.int32)
     return state, jnp.concatenate(parts + _ledger_tail(config, state, reads))
 
 
@@ -244,16 +276,18 @@ def _fake_tokens(keys, vocab: int):
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def _cost_step(state, dec_seq, dec_tok, dec_key, pre_seq, pre_key, *, config):
+def _cost_step(state, dec_seq, dec_tok, dec_key, pre_seq, pre_key, row_pools, *, config):
     """The cost model's step: append only, plus the table entries every row attends over,
-    counted per pool (what the modelled KV read is made of). O(batch x MB) work."""
+    counted per pool (what the modelled KV read is made of): ceil(cached / P) entries per row,
+    those in pools 1.. from `row_pools` (the host mirror), the rest in pool 0. O(batch) work."""
     state, rep = append_core(config, state, dec_seq, dec_tok)
     rows = jnp.concatenate([jnp.where(rep.appended, dec_seq, INVALID), pre_seq])
-    tables = jnp.where((rows >= 0)[:, None], state.seqs.block_tables[clip(rows)], INVALID)
-    entries = tables >= 0
-    pools = jnp.where(entries, pool_of(config, clip(tables)), config.num_pools)
-    reads = jax.ops.segment_sum(entries.astype(jnp.int32).ravel(), pools.ravel(),
-                                num_segments=config.num_pools + 1)[:-1]
+    lens = jnp.where(rows >= 0, state.seqs.seq_lens[clip(rows)], 0)
+    entries = -(-lens // config.block_size)
+    other = jnp.where((rows >= 0)[:, None], row_pools, 0).at[:, 0].set(0)
+    reads = other.sum(axis=0).at[0].set((entries - other.sum(axis=1)).sum())
+    slack = (entries * config.block_size - lens).sum()
+    reads = jnp.concatenate([reads, slack[None]]).astype(jnp.int32)
     vocab = config.model.vocab_size
     parts = [_fake_tokens(dec_key, vocab), rep.appended.astype(jnp.int32), rep.reason,
              _fake_tokens(pre_key, vocab)]
@@ -286,6 +320,7 @@ class _Executor:
             raise InvalidArgumentError("sampling must be a kvquota Sampling")
         self.sampling = sampling
         self.syncs = 0  # device-to-host readbacks made by step()
+        self.last_slack = 0  # the last step's StepOutput.slack_tokens
 
     def chunk_width(self, longest: int) -> int:
         """The padded chunk width T for a step whose longest chunk is `longest` tokens."""
@@ -342,16 +377,18 @@ def weight_count(config: ModelConfig) -> int:
 
 
 class CostModelExecutor(_Executor):
-    """A metadata-only state under a modelled step time (no model runs).
+    """A metadata-only state under a modelled step time (no model runs), the pool and the
+    weights spread over `devices` devices (KV heads and weights split evenly, tensor-parallel):
 
-    step seconds = (weight_bytes + KV bytes read) / hbm_bandwidth       (one forward pass)
-                 + prefill tokens / prefill_tokens_per_s                (recompute included)
-                 + host bytes moved / host_bandwidth                    (restores, offloads)
+    step seconds = (weight_bytes + KV bytes read) / devices / hbm_bandwidth   (one forward pass)
+                 + prefill tokens / (devices x prefill_tokens_per_s)      (recompute included)
+                 + host bytes moved / (devices x host_bandwidth)          (one host link each)
                  + step_overhead_s.
     KV bytes read: every table entry a row attends over, at its pool's bytes per block.
-    Defaults: H200 HBM bandwidth; bf16 weights of the state's model; the state config's host
-    bandwidth; prefill at `mfu` of the H200's dense bf16 FLOP/s, 2 FLOPs per weight per token.
-    Sampled tokens are a hash of (request, index): requests end at max_new_tokens.
+    Defaults: one device; H200 HBM bandwidth; bf16 weights of the state's model; the state
+    config's host bandwidth; prefill per device at `mfu` of the H200's dense bf16 FLOP/s, 2 FLOPs
+    per weight per token (attention FLOPs left out). Sampled tokens are a hash of (request,
+    index): requests end at max_new_tokens.
     """
 
     cost_model = True
@@ -359,7 +396,8 @@ class CostModelExecutor(_Executor):
     def __init__(self, state_config: StateConfig, *, hbm_bandwidth: float = H200_HBM_BANDWIDTH,
                  host_bandwidth: float | None = None, weight_bytes: int | None = None,
                  prefill_tokens_per_s: float | None = None, mfu: float = 0.5,
-                 peak_flops: float = H200_BF16_FLOPS, step_overhead_s: float = 0.0, **kwargs):
+                 peak_flops: float = H200_BF16_FLOPS, step_overhead_s: float = 0.0,
+                 devices: int = 1, **kwargs):
         super().__init__(state_config, **kwargs)
         weights = weight_count(state_config.model)
         self.hbm_bandwidth = float(hbm_bandwidth)
@@ -368,24 +406,33 @@ class CostModelExecutor(_Executor):
         self.prefill_tokens_per_s = (mfu * peak_flops / (2 * weights)
                                      if prefill_tokens_per_s is None else prefill_tokens_per_s)
         self.step_overhead_s = float(step_overhead_s)
+        if not (isinstance(devices, int) and devices >= 1):
+            raise InvalidArgumentError(f"devices must be an int >= 1, got {devices!r}")
+        self.devices = devices
+        self._pool_bytes = np.asarray(state_config.pool_bytes, np.int64)
         if min(self.hbm_bandwidth, self.host_bandwidth, self.prefill_tokens_per_s) <= 0 or \
                 self.weight_bytes < 0 or self.step_overhead_s < 0:
             raise InvalidArgumentError("bandwidths and the prefill rate must be > 0; weight "
                                        "bytes and the step overhead >= 0")
 
     def modelled_seconds(self, block_reads, prefill_tokens: int, host_bytes: int) -> float:
-        kv = int((np.asarray(block_reads, np.int64) * np.asarray(self.state_config.pool_bytes,
-                                                                 np.int64)).sum())
-        return ((self.weight_bytes + kv) / self.hbm_bandwidth
-                + prefill_tokens / self.prefill_tokens_per_s
-                + host_bytes / self.host_bandwidth + self.step_overhead_s)
+        kv = int((np.asarray(block_reads, np.int64) * self._pool_bytes).sum())
+        d = self.devices
+        return ((self.weight_bytes + kv) / d / self.hbm_bandwidth
+                + prefill_tokens / (d * self.prefill_tokens_per_s)
+                + host_bytes / (d * self.host_bandwidth) + self.step_overhead_s)
 
     def step(self, state, batch: StepBatch):
         """Runs one step (donates `state`) -> (state, StepOutput). One readback."""
+        pools = batch.row_pools
+        if pools is None:  # a batch built without a pool-counting mirror: count on device
+            pools = _pool_entries(state.seqs.block_tables[clip(np.concatenate(
+                [batch.dec_seq, batch.pre_seq]))], config=self.state_config)
         state, flat = _cost_step(state, batch.dec_seq, batch.dec_tok, batch.dec_key,
-                                 batch.pre_seq, batch.pre_key, config=self.state_config)
+                                 batch.pre_seq, batch.pre_key, pools, config=self.state_config)
         flat = self._read(flat)
         out = _unpack(self.state_config, flat, len(batch.dec_seq), len(batch.pre_seq), 0.0)
         out.seconds = self.modelled_seconds(out.block_reads, batch.prefill_tokens,
                                             batch.host_bytes)
+        self.last_slack = out.slack_tokens
         return state, out

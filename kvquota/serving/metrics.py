@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import pathlib
 import time
@@ -23,7 +24,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from kvquota.codes import REASONS
+from kvquota.codes import INT32_MAX, REASONS
 from kvquota.errors import (ContextTooLongError, InvalidArgumentError, InvariantError,
                             SequenceTooLongError, TokenIdError, UnknownTenantError)
 from kvquota.invariants import recompute
@@ -50,6 +51,7 @@ class Request:
     arrival: int = 0
     stop_ids: tuple = ()
     pin_blocks: int = 0  # pin the first blocks once prefilled (a shared system prompt)
+    arrival_s: Optional[float] = None  # arrival on the scheduler's clock (seconds; None: step)
     name: str = ""
     id: int = -1
     status: str = "pending"
@@ -64,6 +66,8 @@ class Request:
     admitted_step: int = -1  # step of the first admission; first_refused: of the first refusal
     first_refused: int = -1
     finished_step: int = -1
+    first_token_s: float = -1.0  # the scheduler's clock when the first token / the last came
+    finish_s: float = -1.0
     preemptions: int = 0
     suspensions: int = 0
     resume_tokens: int = 0  # recompute paid on re-admission
@@ -78,14 +82,18 @@ class Request:
     def summary(self) -> dict:
         keys = ("id", "name", "tenant", "status", "finish", "tokens", "preemptions",
                 "suspensions", "resume_tokens", "resume_bytes", "cached_tokens", "refusals",
-                "admitted_step", "first_refused", "finished_step")
+                "admitted_step", "first_refused", "finished_step", "arrival_s",
+                "first_token_s", "finish_s")
         return {k: getattr(self, k) for k in keys} | {"prompt_tokens": len(self.prompt)}
 
 
 @dataclasses.dataclass(eq=False)
 class Session:
     """A multi-turn conversation: turn k+1's prompt is turn k's prompt + answer + turns[k+1];
-    between turns its sequence is IDLE (KV kept; the next turn hits it in the prefix cache)."""
+    between turns its sequence is IDLE (KV kept; the next turn hits it in the prefix cache).
+    Turn k+1 arrives `gap` steps after turn k finished, or, on the scheduler's clock, think_s[k+1]
+    seconds after (with `arrival_s` set: turn 0's arrival in seconds); turn k generates
+    turn_new_tokens[k] tokens at most (default max_new_tokens)."""
 
     tenant: int
     turns: Sequence[Sequence[int]]
@@ -94,6 +102,9 @@ class Session:
     arrival: int = 0
     stop_ids: tuple = ()
     name: str = ""
+    arrival_s: Optional[float] = None
+    think_s: Sequence[float] = ()
+    turn_new_tokens: Sequence[int] = ()
     requests: list = dataclasses.field(default_factory=list)
     idle_seq: int = INVALID
     ended: bool = False
@@ -158,6 +169,9 @@ def check_request(config: StateConfig, r: Request) -> list[int]:
             0 <= r.pin_blocks <= len(ids) // config.block_size:
         raise InvalidArgumentError("need max_new_tokens >= 1, arrival >= 0 and pin_blocks "
                                    "within the prompt's full blocks")
+    if r.arrival_s is not None and not (isinstance(r.arrival_s, (int, float)) and
+                                        0 <= r.arrival_s < float("inf")):
+        raise InvalidArgumentError(f"arrival_s must be a finite number >= 0, got {r.arrival_s!r}")
     return [int(x) for x in ids]
 
 
@@ -185,17 +199,20 @@ def pool_tier_names(config: StateConfig) -> tuple[str, ...]:
     return tuple(names)
 
 
+@functools.lru_cache(maxsize=64)
+def _tier_weights(config: StateConfig) -> np.ndarray:
+    """i64[POOLS, TIERS]: bytes per block of each pool in its tier's column (cached: the
+    config's pool_bytes is recomputed on every access)."""
+    w = np.zeros((config.num_pools, len(TIERS)), np.int64)
+    for pool, name in enumerate(pool_tier_names(config)):
+        w[pool, TIERS.index(name)] = config.pool_bytes[pool]
+    return w
+
+
 def tier_bytes(config: StateConfig, charged) -> dict[str, dict[str, int]]:
     """{tenant: {tier: bytes}} from blocks charged per tenant and pool (i32[T, POOLS])."""
-    charged = np.asarray(charged, np.int64)
-    names = pool_tier_names(config)
-    out = {}
-    for t in range(charged.shape[0]):
-        row = dict.fromkeys(TIERS, 0)
-        for pool, name in enumerate(names):
-            row[name] += int(charged[t, pool]) * config.pool_bytes[pool]
-        out[str(t)] = row
-    return out
+    by = (np.asarray(charged, np.int64) @ _tier_weights(config)).tolist()
+    return {str(t): dict(zip(TIERS, row)) for t, row in enumerate(by)}
 
 
 def ledger_drift(config: StateConfig, state) -> dict:
@@ -276,23 +293,37 @@ class Intake:
         request.prompt, request.context = prompt, list(prompt)
         self.requests.append(request)
         self.pending.append(request)
+        a, b = self._due
+        self._due = ((min(a, request.arrival), b) if request.arrival_s is None else
+                     (a, min(b, request.arrival_s)))
         return request
 
     def submit_session(self, session: Session) -> Session:
         if not session.turns:
             raise InvalidArgumentError("a session needs at least one turn")
-        self._turn(session, 0, list(session.turns[0]), session.arrival)
+        self._turn(session, 0, list(session.turns[0]), session.arrival, session.arrival_s)
         self.sessions.append(session)
         return session
 
-    def _turn(self, s: Session, k: int, prompt, arrival: int):
-        s.requests.append(self.submit(Request(s.tenant, prompt, s.max_new_tokens, arrival=arrival,
-                                              stop_ids=s.stop_ids, name=f"{s.name}.{k}",
-                                              session=s, turn=k)))
+    def _turn(self, s: Session, k: int, prompt, arrival: int, arrival_s=None):
+        new = s.turn_new_tokens[k] if k < len(s.turn_new_tokens) else s.max_new_tokens
+        s.requests.append(self.submit(Request(s.tenant, prompt, new, arrival=arrival,
+                                              arrival_s=arrival_s, stop_ids=s.stop_ids,
+                                              name=f"{s.name}.{k}", session=s, turn=k)))
+
+    def _arrived(self, r: Request) -> bool:
+        return r.arrival <= self.t if r.arrival_s is None else r.arrival_s <= self.clock
 
     def _arrivals(self):
-        arrived = [r for r in self.pending if r.arrival <= self.t]
-        self.pending = [r for r in self.pending if r.arrival > self.t]
+        due = self._due  # (earliest arrival step, earliest arrival_s) of the pending requests
+        if not self.pending or (due[0] > self.t and due[1] > self.clock):
+            return  # nothing due: no scan of the pending list
+        arrived = [r for r in self.pending if self._arrived(r)]
+        self.pending = [r for r in self.pending if not self._arrived(r)]
+        self._due = (min((r.arrival for r in self.pending if r.arrival_s is None),
+                         default=INT32_MAX),
+                     min((r.arrival_s for r in self.pending if r.arrival_s is not None),
+                         default=float("inf")))
         for r in arrived:
             info = self.tenants.get(r.tenant)
             if info is None or info["expired"]:
@@ -348,6 +379,7 @@ def record_step(sched, out, dec, pre, charged, kinds, marks) -> dict:
         sched.drift_max = max(sched.drift_max, drift["bytes"], drift["tokens"])
     if sched.check_every and sched.t % sched.check_every == 0:
         sched.alloc.check(sched.state)
+    rec["clock_s"] = sched.clock
     rec["wall_s"] = time.perf_counter() - start
     return rec
 

@@ -38,6 +38,7 @@ from kvquota.serving import metrics
 from kvquota.serving.executors import HostMirror, bucket, compose_step
 from kvquota.serving.metrics import Event, Request
 
+INF = float("inf")
 _QUOTA_REFUSALS = (REFUSED_TOKEN_QUOTA, REFUSED_BYTE_QUOTA, REFUSED_GROWING)
 _ROOMY = ("free", "preempt", "apply_plan", "set_quota", "register_tenant")  # may make room
 
@@ -77,7 +78,11 @@ class Scheduler(metrics.Intake):
         self.by_seq, self.idle_of, self.tenants = {}, {}, {}
         self.counters, self.event_log, self.records = metrics.Counters(), [], []
         self._release, self._dirty, self._progress, self._host_bytes = [], False, False, 0
-        self.m = HostMirror(self.state)
+        # The clock (seconds): each step's executor seconds (measured, or modelled by the cost
+        # model) move it on; requests with arrival_s arrive when it passes them, and an idle
+        # scheduler jumps to the next arrival (or to `wake_s`: the caller's next appointment).
+        self.clock, self.wake_s, self._due = 0.0, float("inf"), (INT32_MAX, float("inf"))
+        self.m = HostMirror(self.state, self.config if executor.cost_model else None)
 
     # ---- tenants and requests ----------------------------------------------------------------
     def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
@@ -116,6 +121,9 @@ class Scheduler(metrics.Intake):
         self.counters.new_step()
         self._host_bytes, self._progress = 0, bool(self._release)
         self._free_finished()
+        if not (self.live or self._release or any(self.queues.values())) and \
+                self._due[0] > self.t and self.clock < min(self._due[1], self.wake_s) < INF:
+            self.clock = min(self._due[1], self.wake_s)  # idle until something arrives
         # An event waits for in-flight prefills (admissions held meanwhile): a reclaim must not
         # compress, evict or drop (into the prefix cache) blocks whose K/V are not written yet.
         due = self._ev < len(self.events) and self.events[self._ev].step <= self.t
@@ -132,6 +140,7 @@ class Scheduler(metrics.Intake):
         out, self._dirty = None, False
         if batch is not None:
             self.state, out = self.executor.step(self.state, batch)
+            self.clock += out.seconds
             self._progress = True
             self._absorb(out, dec, pre)
         charged = out.charged if out is not None and not self._dirty else self._read(
@@ -168,8 +177,10 @@ class Scheduler(metrics.Intake):
             s = r.session
             s.idle_seq, self.m.status[r.seq], self.idle_of[r.seq] = r.seq, SEQ_IDLE, s
             try:
-                self._turn(s, r.turn + 1, r.prompt + r.tokens + list(s.turns[r.turn + 1]),
-                           self.t + s.gap)
+                k = r.turn + 1
+                self._turn(s, k, r.prompt + r.tokens + list(s.turns[k]), self.t + s.gap,
+                           None if s.arrival_s is None else
+                           self.clock + (s.think_s[k] if k < len(s.think_s) else 0.0))
             except KVQuotaError:  # the conversation outgrew the table or the context
                 s.ended = True
         for r in done:
@@ -221,6 +232,7 @@ class Scheduler(metrics.Intake):
                 self.by_seq.pop(f.seq)
                 r.seq, r.status, r.finish, r.finished_step = (INVALID, "finished",
                                                               f"released: {ev.kind}", self.t)
+                r.finish_s = self.clock
             elif r is not None and f.fate in (FATE_COMPRESSED, FATE_EVICTED):
                 r.lossy = True
             elif s is not None and f.fate in (FATE_PREEMPTED, FATE_RELEASED):
@@ -278,6 +290,7 @@ class Scheduler(metrics.Intake):
         self.counters.add("resume_bytes_paid", moved)
         self._host_bytes += moved
         self.m.status[seq], self._progress = SEQ_IDLE if idle else SEQ_RUNNING, True
+        self.m.restored(seq)
         return True
 
     def _restore_suspended(self):
@@ -395,6 +408,8 @@ class Scheduler(metrics.Intake):
                 self._append_refused(r, reason)
 
     def _took(self, r: Request, token: int):
+        if not r.tokens:
+            r.first_token_s = self.clock
         r.tokens.append(token)
         self.counters.add("generated_tokens")
         why = ("stop" if token in r.stop_ids else "length" if len(r.tokens) >= r.max_new_tokens
@@ -404,7 +419,7 @@ class Scheduler(metrics.Intake):
             self._finish(r, why)
 
     def _finish(self, r: Request, why: str):
-        r.status, r.finish, r.finished_step = "finished", why, self.t
+        r.status, r.finish, r.finished_step, r.finish_s = "finished", why, self.t, self.clock
         self.counters.add("finished")
         self.live.remove(r)
         self._release.append(r)
