@@ -68,6 +68,7 @@ class StateConfig:
         cache as *cold* blocks (charged to no one, counted as free capacity, reused least
         recently freed first), so a tenant's next turn can still hit them (vLLM, SGLang). Off:
         freed blocks leave the cache at once, exactly as before.
+      prefix_index: lookups probe the hash index (False: join every block, O(pool): the baseline).
     """
 
     model: ModelConfig
@@ -86,6 +87,7 @@ class StateConfig:
     host_watermark: float = 0.8
     host_bandwidth: float = 50e9
     keep_cold_blocks: bool = False
+    prefix_index: bool = True
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_seqs", "max_blocks_per_seq",
@@ -115,10 +117,8 @@ class StateConfig:
         if self.total_blocks * self.block_size > INT32_MAX:
             raise ValueError("total_blocks * block_size must fit in int32")
         if self.total_blocks * max(self.pool_units) > INT32_MAX:
-            raise ValueError(
-                f"byte units overflow int32: {self.total_blocks} blocks x "
-                f"{max(self.pool_units)} units of {self.unit_bytes} B"
-            )
+            raise ValueError(f"byte units overflow int32: {self.total_blocks} blocks x "
+                             f"{max(self.pool_units)} units of {self.unit_bytes} B")
 
     # ---- pools -------------------------------------------------------------------------------
     @property

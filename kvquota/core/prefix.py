@@ -41,15 +41,18 @@ def lookup(config, state, salts, hashes, tokens, usable):
     """Leading prefix-cache hits of each prompt: i32[B, M] (INVALID after the first miss).
 
     Candidates come from the hash index in O(B x M) (only the `usable` positions are looked
-    up: the others are never hits). A candidate for block k is accepted only if its parent is the hit for block k - 1 (and that
+    up: the others are never hits), or with `config.prefix_index=False` from the brute force.
+    A candidate for block k is accepted only if its parent is the hit for block k - 1 (and that
     parent has not been freed and reused since: `parent_gen`), so the whole prefix is checked
     token by token, not just the last block, and a hash collision never yields a wrong block.
     """
     b, m = usable.shape
-    cands = index.candidates(
-        config, state, hashes.reshape(b * m, 2), jnp.repeat(salts, m),
-        tokens.reshape(b * m, -1), usable.reshape(b * m),
-    ).reshape(b, m, -1)
+    args = (config, state, hashes.reshape(b * m, 2), jnp.repeat(salts, m), tokens.reshape(b * m, -1))
+    if config.prefix_index:
+        cands = index.candidates(*args, usable.reshape(b * m))
+    else:
+        cands = brute_force_candidates(*args)
+    cands = cands.reshape(b, m, -1)
 
     def step(carry, xs):
         prev, alive = carry
