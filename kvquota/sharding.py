@@ -8,7 +8,8 @@ Layout. A mesh has two named axes, `KV_AXIS` ("kv") and `SEQ_AXIS` ("seq"):
   block, so no op ever needs another device's pages;
 * every other leaf (blocks, free lists, sequences, tenants, and any field added later) is
   replicated, `P()`. Both rules are read off the pytree's paths (`pages` or not), not a list of
-  fields, so a new metadata field is replicated without a change here;
+  fields, so a new metadata field is replicated without a change here. `init_sharded` makes an
+  empty state so (each device allocating only its shards), `shard_state` places one;
 * the model (`shard_params`) is tensor-parallel over heads on "kv": Q/K/V projections split by
   output heads, O by input heads, the MLP by its inner width (when "kv" divides it); embeddings,
   norms and the LM head are replicated;
@@ -36,6 +37,7 @@ pages too (`check_invariants` reads them). Tested on 8 forced CPU devices of one
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -46,7 +48,14 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from kvquota.errors import InvalidArgumentError
-from kvquota.pages import host_sharding
+from kvquota.pages import host_sharding, init_pages
+
+__all__ = [
+    "KV_AXIS", "SEQ_AXIS", "ShardingError", "make_mesh", "check_mesh", "use_mesh", "context_mesh",
+    "state_shardings", "init_sharded", "shard_state", "param_specs", "shard_params",
+    "sharded_attention", "sharded_write", "replicated", "collectives", "page_collectives",
+    "local_bytes",
+]
 
 KV_AXIS = "kv"
 SEQ_AXIS = "seq"
@@ -101,7 +110,7 @@ def use_mesh(mesh: Mesh):
     check_mesh(mesh)
     if hasattr(jax, "set_mesh"):
         return jax.set_mesh(mesh)
-    return jax.sharding.use_mesh(mesh)  # jax < 0.7
+    return jax.sharding.use_mesh(mesh)  # older jax
 
 
 def context_mesh():
@@ -155,6 +164,20 @@ def state_shardings(config, mesh: Mesh):
         return _leaf_sharding(path, leaf, mesh, host if is_host else None)
 
     return jax.tree_util.tree_map_with_path(one, shapes)
+
+
+def init_sharded(config, mesh: Mesh):
+    """An empty state of `config` made on `mesh`: equal to `shard_state(init_state(config),
+    mesh)`, but each device allocates only its own shard of the pages (a pool too large for one
+    device never exists whole). The metadata is made once, then replicated."""
+    from kvquota.state import init_state
+
+    shardings = state_shardings(config, mesh)
+    state = init_state(dataclasses.replace(config, with_pages=False))
+    shapes = jax.eval_shape(lambda: init_pages(config))
+    zeros = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                    out_shardings=shardings.pages)
+    return jax.device_put(state.replace(pages=zeros()), shardings)
 
 
 def shard_state(state, mesh: Mesh):

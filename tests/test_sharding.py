@@ -217,7 +217,11 @@ def script(s):
     step(alloc.release_tenant, 1, donate=True)
     return steps, s
 
-split, final = script(ks.shard_state(alloc.init(), mesh))
+# made on the mesh, shard by shard: equal to the one-device state placed there
+made, placed = ks.init_sharded(sc, mesh), ks.shard_state(alloc.init(), mesh)
+assert wrong_shardings(made) == [] and wrong_shardings(placed) == []
+compare_states(made, placed)
+split, final = script(made)
 if COMPARE:  # the same script on one device: equal states (integers exactly)
     plain, _ = script(alloc.init())
     assert len(plain) == len(split)
