@@ -14,8 +14,9 @@ The first --brute_prompts of those prompts are admitted again, from the same bui
 `StateConfig(prefix_index=False)` (every lookup a join over all blocks: O(prompt blocks x pool)),
 in the same batches; both runs must end in the same state (`results_match`). The ratio is the
 brute force's median time per prompt over the index's. Finally, at each --scaling pool size, the
-same procedure (a half-full state, then --scaling_prompts prompts) gives the index's time per
-prompt, which should not grow with the pool.
+same procedure (a half-full state, then --scaling_prompts prompts; the sizes take turns call by
+call, so load drift on a shared machine hits them alike) gives the index's time per prompt,
+which should not grow with the pool.
 
 Times are per admit call (block_until_ready), medians over the calls; one untimed call of
 distinct prompts first compiles each configuration. Writes a run directory (experiments/runs.py):
@@ -58,7 +59,7 @@ def define_flags():
                          "of 16, below --prompt_tokens).", lower_bound=BLOCK_SIZE)
     cli.define_int_list("scaling", [16, 17, 18, 19, 20], "log2 pool sizes of the scaling sweep",
                         lower=MIN_LOG2, upper=MAX_LOG2)
-    flags.DEFINE_integer("scaling_prompts", 128, "Prompts admitted at each scaling size.",
+    flags.DEFINE_integer("scaling_prompts", 192, "Prompts admitted at each scaling size.",
                          lower_bound=1)
     flags.DEFINE_integer("seed", 0, "Seed of the built state and the prompts.", lower_bound=0)
     runs.define_flags()
@@ -129,29 +130,66 @@ def make_prompts(config, n, prompt_tokens, system_tokens, seed):
     return tenants, tokens
 
 
+class Admitter:
+    """Admit calls of `batch` prompts through the public facade, donated, each on the state the
+    previous call returned (a copy of `state` to start with), after one untimed warm-up call of
+    the prompts `warmup` (compiles)."""
+
+    def __init__(self, config, state, batch, warmup):
+        self.alloc, self.batch = kq.Allocator(config), batch
+        self.state = jax.tree_util.tree_map(jnp.copy, state)
+        self.admit(*warmup)
+
+    def admit(self, tenants, tokens):
+        """(seconds, host report) of one call (rows past len(tenants) are padding)."""
+        b, n = self.batch, len(tenants)
+        ten = np.full(b, kq.INVALID, np.int32)
+        tok = np.zeros((b, tokens.shape[1]), np.int32)
+        ten[:n], tok[:n] = tenants, tokens
+        lengths = np.where(ten >= 0, tokens.shape[1], 0).astype(np.int32)
+        jax.block_until_ready(self.state)
+        t0 = time.perf_counter()
+        self.state, rep = self.alloc.admit(self.state, ten, tok, lengths, donate=True)
+        jax.block_until_ready((self.state, rep))
+        return time.perf_counter() - t0, jax.device_get(rep)
+
+
 def admit_all(config, state, tenants, tokens, batch, warmup, snapshot_after=None):
-    """Admit the prompts in batches (donated), after one untimed warm-up batch `warmup`.
-    Returns (seconds per call, reports, host snapshot after `snapshot_after` calls or None)."""
-    alloc = kq.Allocator(config)
-    x = jax.tree_util.tree_map(jnp.copy, state)
-    lengths = np.full(batch, tokens.shape[1], np.int32)
-    x, _ = alloc.admit(x, *warmup, lengths, donate=True)
-    jax.block_until_ready(x)
+    """Admit the prompts in calls of `batch`. Returns (seconds per call, reports, a host
+    snapshot of the state after `snapshot_after` calls or None, the final state)."""
+    run = Admitter(config, state, batch, warmup)
     seconds, reports, snap = [], [], None
     for j, start in enumerate(range(0, len(tenants), batch)):
-        ten = np.full(batch, kq.INVALID, np.int32)
-        tok = np.zeros((batch, tokens.shape[1]), np.int32)
-        rows = slice(start, min(start + batch, len(tenants)))
-        n = rows.stop - rows.start
-        ten[:n], tok[:n] = tenants[rows], tokens[rows]
-        t0 = time.perf_counter()
-        x, rep = alloc.admit(x, ten, tok, np.where(ten >= 0, lengths, 0), donate=True)
-        jax.block_until_ready((x, rep))
-        seconds.append(time.perf_counter() - t0)
-        reports.append(jax.device_get(rep))
+        sec, rep = run.admit(tenants[start:start + batch], tokens[start:start + batch])
+        seconds.append(sec)
+        reports.append(rep)
         if snapshot_after is not None and j + 1 == snapshot_after:
-            snap = jax.device_get(x)
-    return seconds, reports, snap, x
+            snap = jax.device_get(run.state)
+    return seconds, reports, snap, run.state
+
+
+def scaling_sweep(sizes, slots, batch, prompt_tokens, system_tokens, prompts, seed):
+    """The index's admission time at each pool size: one half-full state per size, then the
+    same `prompts`, one call per size in turn (interleaved, so load drift on a shared machine
+    hits every size alike). Returns one point per size."""
+    runs_, points = [], []
+    for lg in sizes:
+        c = make_config(lg, slots, batch, prompt_tokens)
+        s = build(c, seed)
+        points.append({"blocks": c.num_blocks,
+                       "hashed_blocks_before": int(np.asarray(s.blocks.hashed).sum())})
+        runs_.append((Admitter(c, s, batch, _warmup(c, batch, prompt_tokens, seed)),
+                      make_prompts(c, prompts, prompt_tokens, system_tokens, seed)))
+        del s
+    seconds = [[] for _ in sizes]
+    for start in range(0, prompts, batch):
+        for k, (adm, (ten, tok)) in enumerate(runs_):
+            seconds[k].append(adm.admit(ten[start:start + batch], tok[start:start + batch])[0])
+    for point, sec in zip(points, seconds):
+        point.update(_summary(sec, batch, prompts))
+        logging.info("scaling %d blocks: %.3f ms per prompt", point["blocks"],
+                     point["ms_per_prompt_median"])
+    return points
 
 
 def _warmup(config, batch, prompt_tokens, seed):
@@ -228,19 +266,10 @@ def run(log2_blocks, prompts, brute_prompts, batch, prompt_tokens, system_tokens
                   "system_prompts_per_group": SYSTEMS_PER_GROUP, "prefill": PREFILL,
                   "lookup_candidates": config.lookup_candidates, "seed": seed},
     }
-    for lg in scaling:
-        c2 = make_config(lg, slots, batch, prompt_tokens)
-        s2 = build(c2, seed)
-        hashed = int(np.asarray(s2.blocks.hashed).sum())
-        t2, _, _, f2 = admit_all(c2, s2, *make_prompts(c2, scaling_prompts, prompt_tokens,
-                                                       system_tokens, seed), batch,
-                                 _warmup(c2, batch, prompt_tokens, seed))
-        del s2, f2
-        point = {"blocks": c2.num_blocks, "hashed_blocks_before": hashed,
-                 **_summary(t2, batch, scaling_prompts)}
-        result["scaling"].append(point)
+    result["scaling"] = scaling_sweep(scaling, slots, batch, prompt_tokens, system_tokens,
+                                      scaling_prompts, seed)
+    for point in result["scaling"]:
         on_point({"kind": "scaling", **point})
-        logging.info("scaling 2^%d: %.3f ms per prompt", lg, point["ms_per_prompt_median"])
     per = [p["ms_per_prompt_median"] for p in result["scaling"]]
     result["scaling_max_over_min"] = max(per) / min(per)
     return result
