@@ -84,6 +84,16 @@ class InvalidArgumentError(KVQuotaError):
     """An option of an operation is outside its range (keep_recent < 0, an unknown policy)."""
 
 
+class ShardingError(InvalidArgumentError):
+    """A mesh that does not fit: axis sizes, device count, axis names or types, or KV heads
+    that the "kv" axis does not divide (kvquota.sharding)."""
+
+
+class TraceFormatError(InvalidArgumentError):
+    """A trace file (or a trace being saved) that breaks the format: the message names the file,
+    the line and the problem (kvquota.sim)."""
+
+
 class PlanMismatchError(KVQuotaError):
     """A reclaim plan applied to a state other than the one it was made for."""
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from kvquota.errors import InvalidArgumentError
+from kvquota.errors import ShardingError
 from kvquota.pages import host_sharding, init_pages
 
 __all__ = [
@@ -60,11 +60,6 @@ __all__ = [
 KV_AXIS = "kv"
 SEQ_AXIS = "seq"
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
-
-
-class ShardingError(InvalidArgumentError):
-    """A mesh that does not fit: axis sizes, device count, axis names or types, or KV heads
-    that the "kv" axis does not divide."""
 
 
 # --------------------------------------------------------------------------------------------

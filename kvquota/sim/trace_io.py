@@ -40,16 +40,11 @@ import os
 
 import numpy as np
 
-from kvquota.errors import InvalidArgumentError
+from kvquota.errors import InvalidArgumentError, TraceFormatError
 from kvquota.sim.traces import (EVENT_KINDS, TenantSpec, Trace, TraceEvent, TraceRequest,
                                  system_prompt_ids)
 
 FORMAT, VERSION = "kvquota-trace", 1
-
-
-class TraceFormatError(InvalidArgumentError):
-    """A trace file (or a trace being saved) that breaks the format: the message names the file,
-    the line and the problem."""
 
 
 # Fields of each line kind: name -> (type, nullable, required). "int" excludes bools; "float"
