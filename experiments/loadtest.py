@@ -1,0 +1,206 @@
+r"""The load test: a multi-tenant trace replayed under each reclaim policy at Qwen2.5-72B scale.
+
+  python -m experiments.loadtest --json                      # 10^5 requests, 2^20 blocks
+  python -m experiments.loadtest --blocks=4096 --requests=200 --max_seqs=64   # a quick one
+  python -m experiments.loadtest --trace=my_trace.jsonl      # bring your own trace
+
+The serving scheduler (`kq.serving.Scheduler`) with the cost-model executor over a metadata-only
+state (`kq.sim.loadtest`): pool 0 of --blocks blocks of 16 tokens of Qwen2.5-72B bf16 KV
+(5 MiB each), a compressed int8 pool and a host pool, spread over --devices H200s (default: as
+many as hold the device pools and the weights). A trace (`kq.sim.traces`, generated from the
+flags or --trace) is replayed on the modelled clock under every policy of --policies, each on a
+fresh state. Every cost constant is a flag and recorded in the run directory's config.json. The
+run directory (experiments/runs.py) holds the trace (trace.jsonl: replay it with --trace), one
+JSON line per step (points.jsonl) and per request (requests.jsonl), metrics.json, summary.md
+(the table) and the plots latency_cdf.png and bytes_timeline.png, drawn from those files only.
+The ledger drift must be 0 at every check (every event, every --drift_every steps, the end):
+otherwise the run is written and the program exits with status 1. --real_check also runs the
+small real case (`kq.sim.realcheck`: SmolLM2-135M on CPU, measured step times against the cost
+model's ranking of the policies).
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.perf_counter()  # wall_seconds: the whole process, imports included
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+
+from absl import flags  # noqa: E402
+
+import kvquota as kq  # noqa: E402
+from experiments import cli, runs  # noqa: E402
+
+FLAGS = flags.FLAGS
+PLOT_POLICY_COLORS = ("C0", "C1", "C2", "C3", "C4")
+
+
+def define_flags():
+    f = flags
+    f.DEFINE_string("trace", None, "A trace JSONL file to replay (default: generate one).")
+    f.DEFINE_integer("requests", 100_000, "Requests of the generated trace.", lower_bound=1)
+    f.DEFINE_integer("seed", 0, "Seed of the generated trace.", lower_bound=0)
+    f.DEFINE_integer("tenants", 8, "Tenants of the generated trace.", lower_bound=1,
+                     upper_bound=64)
+    f.DEFINE_integer("groups", 2, "Tenant groups sharing a system prompt.", lower_bound=0)
+    f.DEFINE_float("rate", 100.0, "Requests per second of the generated trace.", lower_bound=1e-6)
+    f.DEFINE_enum("arrival", "poisson", ["poisson", "bursty"], "Arrival process.")
+    f.DEFINE_float("oversubscription", 1.2, "Sum of the tenants' quota shares (x weights).",
+                   lower_bound=0.01)
+    f.DEFINE_float("session_fraction", 0.5, "Share of requests in multi-turn sessions.",
+                   lower_bound=0, upper_bound=1)
+    f.DEFINE_integer("quota_cuts", 2, "Quota cuts in the generated trace.", lower_bound=0)
+    f.DEFINE_integer("lease_expiries", 1, "Lease expiries in the generated trace.",
+                     lower_bound=0)
+    f.DEFINE_integer("context_max", 32768, "Longest conversation of the generated trace.",
+                     lower_bound=64)
+    f.DEFINE_float("prompt_mean", 2048.0, "Mean first prompt (system prompt included), tokens.",
+                   lower_bound=1)
+    f.DEFINE_integer("prompt_max", 16384, "Longest prompt part, tokens.", lower_bound=1)
+    f.DEFINE_float("output_mean", 256.0, "Mean output (max_new_tokens).", lower_bound=1)
+    f.DEFINE_integer("output_max", 4096, "Longest output.", lower_bound=1)
+    f.DEFINE_float("followup_mean", 256.0, "Mean new user message of a later turn, tokens.",
+                   lower_bound=1)
+    f.DEFINE_integer("system_prompt_tokens", 512, "System prompt per group, tokens.",
+                     lower_bound=0)
+    f.DEFINE_float("think_time_s", 120.0, "Mean think time between turns (s).", lower_bound=0)
+    f.DEFINE_list("policies", list(kq.RECLAIM_PRESETS), "Reclaim policy presets compared.")
+    f.register_validator("policies", lambda v: bool(v) and set(v) <= set(kq.RECLAIM_PRESETS)
+                         and len(set(v)) == len(v),
+                         f"distinct presets of: {', '.join(kq.RECLAIM_PRESETS)}")
+    f.DEFINE_integer("blocks", 1 << 20, "Blocks of pool 0.", lower_bound=64, upper_bound=1 << 24)
+    f.DEFINE_integer("devices", 0, "H200s the pool and weights spread over (0: as many as hold "
+                     "them).", lower_bound=0, upper_bound=4096)
+    f.DEFINE_integer("max_seqs", 4096, "Sequence slots (and decode rows per step at most).",
+                     lower_bound=1, upper_bound=65536)
+    f.DEFINE_integer("token_budget", 32768, "Tokens per step (decode rows + prefill chunks).",
+                     lower_bound=1)
+    f.DEFINE_integer("max_admit", 64, "Requests per admit call.", lower_bound=1,
+                     upper_bound=1024)
+    f.DEFINE_integer("prefill_rows", 16, "Prefill rows per step.", lower_bound=1,
+                     upper_bound=256)
+    f.DEFINE_integer("chunk_size", 4096, "Longest prefill chunk (tokens).", lower_bound=16,
+                     upper_bound=65536)
+    f.DEFINE_float("compressed_fraction", 0.125, "Compressed (int8) pool, x --blocks.",
+                   lower_bound=0, upper_bound=1)
+    f.DEFINE_float("host_fraction", 0.5, "Host pool, x --blocks.", lower_bound=0, upper_bound=4)
+    f.DEFINE_float("slo_ttft_s", 30.0, "Goodput SLO on time to first token (s).",
+                   lower_bound=1e-9)
+    f.DEFINE_float("slo_tpot_s", 0.25, "Goodput SLO on time per output token (s).",
+                   lower_bound=1e-9)
+    f.DEFINE_integer("jitter_window", 32, "Steps of the median that jitter is measured from.",
+                     lower_bound=1)
+    f.DEFINE_integer("drift_every", 1000, "Ledger drift checked every n steps (and at events, "
+                     "at the end).", lower_bound=1)
+    f.DEFINE_integer("max_steps", 1_000_000, "Steps per policy at most.", lower_bound=1)
+    # the cost model (H200 SXM defaults)
+    f.DEFINE_float("hbm_bandwidth", 4.8e12, "HBM bytes/s per device.", lower_bound=1)
+    f.DEFINE_float("hbm_bytes", 141e9, "HBM bytes per device.", lower_bound=1)
+    f.DEFINE_float("hbm_usable", 0.9, "Share of HBM for weights and KV.", lower_bound=1e-3,
+                   upper_bound=1)
+    f.DEFINE_float("host_bandwidth", 50e9, "Host link bytes/s per device.", lower_bound=1)
+    f.DEFINE_float("peak_flops", 989e12, "Dense bf16 FLOP/s per device.", lower_bound=1)
+    f.DEFINE_float("mfu", 0.5, "Share of peak FLOP/s prefill reaches.", lower_bound=1e-3,
+                   upper_bound=1)
+    f.DEFINE_float("step_overhead_s", 0.005, "Fixed seconds per step (scheduling, "
+                   "sampling, launches).", lower_bound=0)
+    f.DEFINE_integer("weight_bytes", 0, "Model weight bytes (0: bf16 of the model).",
+                     lower_bound=0)
+    f.DEFINE_float("prefill_tokens_per_s", 0.0, "Prefill tokens/s per device (0: from "
+                   "peak_flops x mfu).", lower_bound=0)
+    f.DEFINE_boolean("real_check", False, "Also run the small real case (SmolLM2 on CPU).")
+    runs.define_flags()
+
+
+def load_config() -> "kq.sim.LoadConfig":
+    cost = kq.sim.CostConstants(
+        hbm_bandwidth=FLAGS.hbm_bandwidth, hbm_bytes=FLAGS.hbm_bytes,
+        hbm_usable=FLAGS.hbm_usable, host_bandwidth=FLAGS.host_bandwidth,
+        peak_flops=FLAGS.peak_flops, mfu=FLAGS.mfu, step_overhead_s=FLAGS.step_overhead_s,
+        weight_bytes=FLAGS.weight_bytes or None,
+        prefill_tokens_per_s=FLAGS.prefill_tokens_per_s or None)
+    return kq.sim.LoadConfig(
+        blocks=FLAGS.blocks, devices=FLAGS.devices or None, max_seqs=FLAGS.max_seqs,
+        max_blocks_per_seq=-(-(FLAGS.context_max + FLAGS.output_max) // 16),
+        num_tenants=max(FLAGS.tenants, 8),
+        compressed_fraction=FLAGS.compressed_fraction, host_fraction=FLAGS.host_fraction,
+        token_budget=FLAGS.token_budget, max_admit=FLAGS.max_admit,
+        prefill_rows=FLAGS.prefill_rows, chunk_size=FLAGS.chunk_size,
+        slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=FLAGS.slo_tpot_s,
+        jitter_window=FLAGS.jitter_window, drift_every=FLAGS.drift_every,
+        max_steps=FLAGS.max_steps, cost=cost)
+
+
+def trace_config() -> "kq.sim.TraceConfig":
+    return kq.sim.TraceConfig(
+        seed=FLAGS.seed, requests=FLAGS.requests, tenants=FLAGS.tenants, groups=FLAGS.groups,
+        arrival=FLAGS.arrival, rate_per_s=FLAGS.rate, oversubscription=FLAGS.oversubscription,
+        session_fraction=FLAGS.session_fraction, quota_cuts=FLAGS.quota_cuts,
+        lease_expiries=FLAGS.lease_expiries, context_max=FLAGS.context_max,
+        prompt_mean=FLAGS.prompt_mean, prompt_max=FLAGS.prompt_max,
+        output_mean=FLAGS.output_mean, output_max=FLAGS.output_max,
+        system_prompt_tokens=FLAGS.system_prompt_tokens, followup_mean=FLAGS.followup_mean,
+        think_time_mean_s=FLAGS.think_time_s)
+
+
+def describe(m: dict) -> str:
+    return m["table"] + f"\n\nwall {m['wall_seconds']:.0f} s"
+
+
+def main(argv):
+    del argv
+    cfg = load_config()  # typed errors: one line, status 2, before any heavy work
+    if FLAGS.trace is None:
+        tc = trace_config()
+    if FLAGS.trace is not None:
+        path = pathlib.Path(FLAGS.trace).resolve()
+        if not path.is_file():
+            raise cli.BadInput(f"--trace={FLAGS.trace}: no such file")
+        trace, source = kq.sim.load_trace(path), {"file": str(path)}
+    else:
+        trace, source = None, {"generated": kq.sim.loadtest_io.as_dict(tc)}
+    if FLAGS.trace is not None and len(trace.tenants) > cfg.num_tenants:
+        cfg = kq.sim.loadtest_io.with_tenants(cfg, len(trace.tenants))
+    config = {"load": kq.sim.loadtest_io.as_dict(cfg), "trace": source,
+              "policies": list(FLAGS.policies), "real_check": FLAGS.real_check}
+    if FLAGS.trace is not None:
+        config["trace_sha256"] = kq.sim.loadtest_io.file_sha256(path)
+    root = FLAGS.runs_dir
+    if not FLAGS["runs_dir"].present:
+        root = str(runs.REPO / runs.RUNS_DIR)  # the repo's runs/, from any working directory
+    run = runs.open_run("loadtest", "experiments.loadtest", config, seed=FLAGS.seed,
+                        root=root, overwrite=FLAGS.overwrite)
+    if run.complete:
+        cli.note(f"{run.path} already holds this run; showing it again (--overwrite reruns it)")
+        summary = run.stored_summary()
+    else:
+        if trace is None:
+            trace = kq.sim.generate_trace(tc)
+        summary = kq.sim.loadtest_io.measure(cfg, trace, FLAGS.policies, run, FLAGS.real_check)
+        summary["wall_seconds"] = time.perf_counter() - _T0
+        summary = run.finish(summary, plot)
+    summary["wall_seconds"] = time.perf_counter() - _T0
+    if FLAGS.out:
+        pathlib.Path(FLAGS.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(FLAGS.out).write_text(json.dumps(summary, indent=2) + "\n")
+    bad = {p: v["ledger_drift_bytes_max"] for p, v in summary["policies"].items()
+           if v["ledger_drift_bytes_max"]}
+    if FLAGS.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print(describe(summary))
+        print(f"run directory: {run.path}")
+    if bad:
+        print(f"error: ledger drift is not 0: {bad} (run directory {run.path})", file=sys.stderr)
+        sys.exit(1)
+
+
+def plot(points, metrics, out_dir):
+    return kq.sim.loadtest_io.plot(points, metrics, out_dir)
+
+
+if __name__ == "__main__":
+    cli.run(main, define_flags)

@@ -1,0 +1,164 @@
+"""The load test's run: every policy replayed on one trace, its files, table and plots.
+
+`measure` writes into a run directory (experiments/runs.py): trace.jsonl (the replayed trace:
+replay it exactly with --trace), points.jsonl (one compact sample per step and policy),
+requests.jsonl (one record per request and policy), summary.md (the table), and returns the
+summary that becomes metrics.json. `plot` draws latency_cdf.png and bytes_timeline.png from
+those files only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import time
+
+import numpy as np
+
+from kvquota.sim import loadtest as lt
+from kvquota.sim.trace_io import save_trace
+from kvquota.sim.trace_io import trace_summary
+
+REQUESTS = "requests.jsonl"
+
+
+def as_dict(obj) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def with_tenants(cfg: lt.LoadConfig, n: int) -> lt.LoadConfig:
+    return dataclasses.replace(cfg, num_tenants=n)
+
+
+def file_sha256(path) -> str:
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+
+
+def setup_figures(cfg: lt.LoadConfig) -> dict:
+    """The modelled machine: devices, bytes, the cost constants resolved."""
+    sc = lt.state_config(cfg)
+    ex = lt.executor(cfg, sc)
+    return {"devices": ex.devices, "devices_needed": lt.devices_needed(cfg),
+            "device_pool_bytes": lt.device_bytes(sc), "weight_bytes": ex.weight_bytes,
+            "block_bytes": sc.pool_bytes[0], "pool_blocks": list(sc.pool_sizes),
+            "pool_bytes_per_block": list(sc.pool_bytes),
+            "prefill_tokens_per_s_per_device": ex.prefill_tokens_per_s,
+            "hbm_bandwidth": ex.hbm_bandwidth, "host_bandwidth": ex.host_bandwidth,
+            "step_overhead_s": ex.step_overhead_s}
+
+
+def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False) -> dict:
+    """Replays `trace` under each policy (a fresh state and scheduler each), writing the run
+    directory's files; returns the summary (metrics.json)."""
+    out = pathlib.Path(run.path)
+    save_trace(trace, out / "trace.jsonl")
+    ex = lt.executor(cfg)  # stateless between runs: one jit cache for every policy
+    results = {}
+    with open(out / REQUESTS, "w") as f:
+        for policy in policies:
+            start = time.perf_counter()
+            rp = lt.Replay(cfg, trace, policy, ex=ex, on_step=run.add_point)
+            rp.run()
+            reqs = rp.request_records()
+            for r in reqs:
+                f.write(json.dumps(r) + "\n")
+            results[policy] = lt.summarize(rp, reqs)
+            results[policy]["drift_checks_log"] = rp.drift
+            results[policy]["wall_s"] = time.perf_counter() - start
+    summary = {"requests": len(trace.requests), "blocks": cfg.blocks,
+               "setup": setup_figures(cfg), "trace_summary": trace_summary(trace),
+               "slo": {"ttft_s": cfg.slo_ttft_s, "tpot_s": cfg.slo_tpot_s},
+               "policies": results}
+    summary["table"] = table(summary)
+    if real_check:
+        from kvquota.sim import realcheck
+
+        summary["real_check"] = realcheck.run_check(list(policies))
+        summary["table"] += "\n\n" + realcheck.describe(summary["real_check"])
+    (out / "summary.md").write_text(summary["table"] + "\n")
+    return summary
+
+
+def _f(x, scale=1.0, digits=3):
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def table(summary: dict) -> str:
+    """The per-policy table (markdown), then the per-tenant TTFT / TPOT rows."""
+    lines = ["| policy | p50 TTFT s | p99 TTFT s | p50 TPOT s | p99 TPOT s | p99 jitter s | "
+             "preemptions | suspensions | refusals (all tries) | refused requests | completed |"
+             " goodput tok/s | drift B | frag max GiB |", "|" + "---|" * 14]
+    for p, v in summary["policies"].items():
+        refusals = ", ".join(f"{k}: {n}" for k, n in sorted(v["refusals"].items())) or "0"
+        refused = ", ".join(f"{k}: {n}" for k, n in sorted(v["refused_requests"].items())) or "0"
+        lines.append(
+            f"| {p} | {_f(v['p50_ttft_s'])} | {_f(v['p99_ttft_s'])} | {_f(v['p50_tpot_s'])} | "
+            f"{_f(v['p99_tpot_s'])} | {_f(v['p99_step_jitter_s'])} | {v['preemptions']} | "
+            f"{v['suspensions']} | {refusals} | {refused} | {v['completed']}/{v['requests']} | "
+            f"{v['goodput']:,.0f} | {v['ledger_drift_bytes_max']} | "
+            f"{v['fragmentation_bytes_max'] / 2**30:.2f} |")
+    lines += ["", "| policy | tenant | requests | completed | p50 TTFT s | p99 TTFT s | "
+              "p99 TPOT s | preemptions | refused | goodput tok/s |", "|" + "---|" * 10]
+    for p, v in summary["policies"].items():
+        for t, row in v["tenants"].items():
+            refused = sum(row["refused_requests"].values())
+            lines.append(f"| {p} | {t} | {row['requests']} | {row['completed']} | "
+                         f"{_f(row['p50_ttft_s'])} | {_f(row['p99_ttft_s'])} | "
+                         f"{_f(row['p99_tpot_s'])} | {row['preemptions']} | {refused} | "
+                         f"{row['goodput']:,.0f} |")
+    return "\n".join(lines)
+
+
+def read_requests(run_dir) -> list[dict]:
+    path = pathlib.Path(run_dir) / REQUESTS
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def plot(points, metrics, out_dir) -> list[str]:
+    """latency_cdf.png (TTFT and TPOT CDFs per policy, log x) and bytes_timeline.png (device,
+    compressed and host bytes over the modelled clock, one panel per policy)."""
+    import matplotlib.pyplot as plt
+
+    out_dir = pathlib.Path(out_dir)
+    policies = list(metrics["policies"])
+    reqs = read_requests(out_dir)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "ttft_s", "time to first token (s, modelled)"),
+                           (axes[1], "tpot_s", "time per output token (s, modelled)")):
+        for p in policies:
+            x = np.sort([r[key] for r in reqs if r["policy"] == p and r[key] is not None])
+            if len(x):
+                ax.plot(np.maximum(x, 1e-6), np.arange(1, len(x) + 1) / len(x), label=p)
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{metrics['requests']:,} requests, {metrics['blocks']:,} blocks, "
+                 f"{metrics['setup']['devices']} devices")
+    fig.tight_layout()
+    fig.savefig(out_dir / "latency_cdf.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(policies), 1, figsize=(9, 1.9 * len(policies) + 0.6),
+                             sharex=True, squeeze=False)
+    for ax, p in zip(axes[:, 0], policies):
+        pts = [q for q in points if q.get("policy") == p]
+        if not pts:
+            continue
+        clock = [q["clock_s"] for q in pts]
+        ys = [[q["bytes"][k] / 2**40 for q in pts] for k in ("device", "compressed", "host")]
+        ax.stackplot(clock, ys, labels=["device (pool 0)", "compressed", "host"])
+        for q in pts:
+            for kind in q["events"]:
+                ax.axvline(q["clock_s"], color="k", lw=0.7, ls="--")
+        ax.set_ylabel("TiB")
+        ax.set_title(p, fontsize=9, loc="left")
+    axes[0, 0].legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("modelled seconds (dashed: quota cuts and lease expiries)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "bytes_timeline.png", dpi=110)
+    plt.close(fig)
+    return ["latency_cdf.png", "bytes_timeline.png"]

@@ -1,0 +1,92 @@
+"""experiments.loadtest: the --json contract at tiny sizes (all five policies, drift 0), the run
+directory (trace, per-step and per-request lines, plots), an exact replay of the saved trace,
+and flag errors (one line, exit 2, before any heavy work)."""
+
+import json
+
+import pytest
+
+from tests.experiments.common import run_cli
+
+TINY = ("--blocks=512", "--requests=40", "--max_seqs=8", "--token_budget=256",
+        "--max_admit=4", "--prefill_rows=2", "--chunk_size=128", "--tenants=3", "--groups=1",
+        "--prompt_mean=96", "--prompt_max=256", "--output_mean=24", "--output_max=64",
+        "--system_prompt_tokens=32", "--followup_mean=24", "--context_max=640", "--rate=200", "--think_time_s=0.05",
+        "--drift_every=50")
+POLICIES = ("tiered", "preempt-all", "swap-all", "evict-first", "grow-no-admit")
+KEYS = ("p50_ttft_s", "p99_ttft_s", "p99_tpot_s", "p99_step_jitter_s", "preemptions",
+        "refusals", "goodput", "ledger_drift_bytes_max", "fragmentation_bytes_max")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    elsewhere = tmp_path_factory.mktemp("cwd")  # runs from any working directory
+    proc = run_cli("loadtest", *TINY, "--json", f"--runs_dir={runs}", cwd=elsewhere,
+                   timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), runs
+
+
+def test_json_contract(tiny):
+    out, _ = tiny
+    assert out["requests"] == 40 and out["blocks"] == 512
+    assert type(out["wall_seconds"]) is float and out["wall_seconds"] > 0
+    assert tuple(out["policies"]) == POLICIES
+    for name, p in out["policies"].items():
+        assert set(KEYS) <= set(p), name
+        assert p["ledger_drift_bytes_max"] == 0 and p["drift_checks"] >= 2
+        assert type(p["preemptions"]) is int and isinstance(p["refusals"], dict)
+        assert p["p50_ttft_s"] <= p["p99_ttft_s"] and p["goodput"] >= 0
+        assert p["fragmentation_bytes_max"] >= 0 and p["p99_step_jitter_s"] >= 0
+    assert out["setup"]["devices"] == out["setup"]["devices_needed"] >= 2
+    cost = out["config"]["load"]["cost"]
+    assert cost["hbm_bandwidth"] == 4.8e12 and cost["mfu"] == 0.5
+
+
+def test_run_directory_and_an_exact_replay_of_its_trace(tiny, tmp_path):
+    out, runs = tiny
+    run = next(runs.glob("loadtest-*"))
+    for name in ("config.json", "metrics.json", "trace.jsonl", "points.jsonl",
+                 "requests.jsonl", "summary.md", "latency_cdf.png", "bytes_timeline.png"):
+        assert (run / name).stat().st_size > 0, name
+    points = [json.loads(x) for x in (run / "points.jsonl").read_text().splitlines()]
+    assert {p["policy"] for p in points} == set(POLICIES)
+    reqs = [json.loads(x) for x in (run / "requests.jsonl").read_text().splitlines()]
+    assert {r["policy"] for r in reqs} == set(POLICIES)
+    proc = run_cli("loadtest", *TINY, f"--trace={run / 'trace.jsonl'}", "--json",
+                   f"--runs_dir={tmp_path}", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in POLICIES:
+        a, b = dict(out["policies"][name]), dict(again["policies"][name])
+        a.pop("wall_s"), b.pop("wall_s")
+        assert a == b, name
+    replayed = next(tmp_path.glob("loadtest-*"))
+    assert (replayed / "requests.jsonl").read_text() == (run / "requests.jsonl").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--blocks=0"], "blocks"),
+    (["--policies=tiered,bogus"], "policies"),
+    (["--rate=-1"], "rate"),
+    (["--mfu=2"], "mfu"),
+    (["--trace=/no/such/trace.jsonl"], "no such file"),
+    (["extra"], "positional"),
+])
+def test_bad_flags_are_one_line_and_exit_2(args, message, tmp_path):
+    proc = run_cli("loadtest", *args, f"--runs_dir={tmp_path}", timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+@pytest.mark.slow
+def test_a_larger_run(tmp_path):
+    proc = run_cli("loadtest", "--blocks=65536", "--requests=3000", "--max_seqs=512",
+                   "--rate=4", "--json", f"--runs_dir={tmp_path}", timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(p["ledger_drift_bytes_max"] == 0 for p in out["policies"].values())
+    assert out["policies"]["preempt-all"]["preemptions"] > 0

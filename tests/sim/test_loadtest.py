@@ -1,0 +1,195 @@
+"""The metadata-only load test (issue #13 part 3): the cost model per device by hand, the KV
+read counted from the host mirror against the block tables, a replay's clock, sessions and
+drift, the jitter definition, and the figures' definitions on hand-made requests."""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import kvquota as kq
+from configs.models import get_model_config
+from kvquota.serving import CostModelExecutor, Request, Scheduler
+from kvquota.serving.executors import pool_of, weight_count
+from kvquota.sim import loadtest as lt
+from kvquota.sim.traces import TraceConfig, generate_trace
+
+TINY = get_model_config("tiny-qwen")
+CONFIG = kq.StateConfig(TINY, num_blocks=48, block_size=4, max_seqs=4, max_blocks_per_seq=16,
+                        num_tenants=3, kv_format="f32", host_blocks=32, keep_cold_blocks=True,
+                        with_pages=False)
+BLOCK = CONFIG.pool_bytes[0]
+
+# A small load: 256 blocks of Qwen2.5-72B KV, 8 decode rows, a trace that overloads it.
+SMALL = lt.LoadConfig(blocks=256, max_seqs=8, max_blocks_per_seq=48, num_tenants=4,
+                      token_budget=256, max_admit=4, prefill_rows=2, chunk_size=128,
+                      drift_every=50, compressed_fraction=0.25)
+
+
+def small_trace(seed=0, requests=40):
+    return generate_trace(TraceConfig(
+        seed=seed, requests=requests, tenants=3, groups=1, system_prompt_tokens=32,
+        rate_per_s=200.0, prompt_mean=96, prompt_max=256, output_mean=24, output_max=64,
+        followup_mean=24, followup_sigma=0.5, session_fraction=0.4, turns_mean=3,
+        think_time_mean_s=0.05, context_max=700, quota_cuts=2, cut_to=0.3, lease_expiries=1))
+
+
+def test_cost_model_per_device_is_its_formula_by_hand():
+    """4 devices: weights and KV read split 4 ways, prefill at 4 x the per-device rate, host
+    bytes over 4 links. One step of 3 decode rows and a 16-token chunk, figures by hand."""
+    ex = CostModelExecutor(CONFIG, prefill_rows=3, chunk_size=16, hbm_bandwidth=1e12,
+                           prefill_tokens_per_s=1e5, weight_bytes=10**6, step_overhead_s=1e-4,
+                           host_bandwidth=1e9, devices=4)
+    s = Scheduler(ex, check_every=1, drift_every=1)
+    s.register_tenant(0, token_quota=10**6, byte_quota=40 * BLOCK)
+    for i, n in enumerate((5, 9, 13)):
+        s.submit(Request(0, list(range(50 * i, 50 * i + n)), 10))
+    first = s.step()  # three prefills, 27 tokens, 2 + 3 + 4 blocks read, nothing decoded
+    assert first["step_s"] == pytest.approx(
+        (10**6 + 9 * BLOCK) / 4 / 1e12 + 27 / (4 * 1e5) + 1e-4, rel=1e-12)
+    s.submit(Request(0, list(range(150, 166)), 10, arrival=1))
+    rec = s.step()
+    blocks = 2 + 3 + 4 + 4  # ceil(len / 4) over each row's table after the append
+    want = (10**6 + blocks * BLOCK) / 4 / 1e12 + 16 / (4 * 1e5) + 1e-4
+    assert rec["step_s"] == pytest.approx(want, rel=1e-12)
+    assert s.clock == pytest.approx(first["step_s"] + want, rel=1e-12)
+    assert ex.modelled_seconds([0, 0], 0, 8 * 10**9) == pytest.approx(
+        10**6 / 4 / 1e12 + 8e9 / (4 * 1e9) + 1e-4, rel=1e-12)
+    with pytest.raises(kq.errors.InvalidArgumentError):
+        CostModelExecutor(CONFIG, devices=0)
+
+
+def test_devices_needed_by_hand():
+    cfg = lt.LoadConfig(blocks=4096, compressed_fraction=0.125, host_fraction=0.5)
+    sc = lt.state_config(cfg)
+    pool = 4096 * sc.pool_bytes[0] + 512 * sc.pool_bytes[1]  # the host pool is not HBM
+    weights = 2 * weight_count(get_model_config("qwen2.5-72b"))
+    assert lt.device_bytes(sc) == pool
+    assert lt.devices_needed(cfg) == math.ceil((pool + weights) / (141e9 * 0.9))
+    big = dataclasses.replace(cfg, blocks=1 << 20)
+    assert lt.devices_needed(big) == math.ceil(
+        ((1 << 20) * 5 * 2**20 + (1 << 17) * lt.state_config(big).pool_bytes[1] + weights)
+        / (141e9 * 0.9))
+    assert lt.executor(dataclasses.replace(cfg, devices=3)).devices == 3
+
+
+def _exact_reads(config, state, batch, out):
+    """The KV read of the step, from the block tables after it: every entry of each row that
+    ran (appended decode rows, prefill rows), counted per pool."""
+    rows = np.concatenate([np.where(out.appended, batch.dec_seq, -1), batch.pre_seq])
+    host = jax.device_get(state.seqs.block_tables)
+    reads = np.zeros(config.num_pools, np.int64)
+    slack = 0
+    lens = jax.device_get(state.seqs.seq_lens)
+    for q in rows[rows >= 0]:
+        ids = host[q][host[q] >= 0]
+        np.add.at(reads, pool_of(config, ids, xp=np), 1)
+        slack += len(ids) * config.block_size - int(lens[q])
+    return reads, slack
+
+
+@pytest.mark.parametrize("policy", ["tiered", "swap-all", "evict-first"])
+def test_kv_read_from_the_mirror_is_the_tables(policy):
+    """Compressions, evictions, offloads and restores move entries out of pool 0: the cost
+    model's per-pool read (the host mirror's counts) equals the block tables at every step."""
+    ex = lt.executor(SMALL)
+    rp = lt.Replay(SMALL, small_trace(1), policy, ex=ex)
+    seen = []
+    step = ex.step
+
+    def checked(state, batch):
+        state, out = step(state, batch)
+        seen.append((_exact_reads(ex.state_config, state, batch, out),
+                     (out.block_reads.tolist(), out.slack_tokens)))
+        return state, out
+
+    ex.step = checked
+    rp.run()
+    assert len(seen) > 50
+    for (reads, slack), (got, got_slack) in seen:
+        assert got == reads.tolist() and got_slack == slack
+    if policy == "swap-all":  # suspended and restored: host entries came and went
+        assert rp.sched.summary()["suspensions"] > 0
+
+
+@pytest.fixture(scope="module")
+def replays():
+    trace = small_trace()
+    ex = lt.executor(SMALL)
+    out = {}
+    for policy in lt.POLICIES:
+        rp = lt.Replay(SMALL, trace, policy, ex=ex)
+        rp.run()
+        out[policy] = (rp, rp.request_records())
+    return trace, out
+
+
+def test_replay_ends_every_request_with_zero_drift(replays):
+    trace, out = replays
+    for policy, (rp, reqs) in out.items():
+        kq.check_invariants(rp.sc, rp.sched.state)
+        assert rp.drift and all(d["bytes"] == 0 and d["tokens"] == 0 for d in rp.drift)
+        assert {d["why"] for d in rp.drift} >= {"event", "end"}
+        assert not rp.steps_capped and rp.sched.done
+        assert all(r["status"] in ("finished", "refused") for r in reqs), policy
+        ids = [r["id"] for r in reqs]
+        assert len(ids) == len(set(ids)) and set(ids) <= {r.id for r in trace.requests}
+        for r in reqs:  # the clock: a first token after the arrival, the end after that
+            if r["ttft_s"] is not None:
+                assert r["ttft_s"] > 0
+            if r["ttft_s"] is not None and r["status"] == "finished":
+                assert r["finish_s"] >= r["arrival_s"] + r["ttft_s"]
+        clock = [p["clock_s"] for p in rp.samples]
+        assert clock == sorted(clock) and clock[-1] == rp.sched.clock
+
+
+def test_events_run_when_the_clock_passes_them(replays):
+    trace, out = replays
+    rp, _ = out["tiered"]
+    ran = [p for p in rp.samples if p["events"]]
+    kinds = [k for p in ran for k in p["events"]]
+    assert sorted(kinds) == sorted(e.kind for e in trace.events)
+    for p in ran:  # the step before ended past the event's time
+        i = rp.samples.index(p)
+        assert any(rp.samples[i - 1]["clock_s"] >= e.time_s for e in trace.events)
+
+
+def test_sessions_arrive_think_s_after_the_previous_turn(replays):
+    trace, out = replays
+    rp, reqs = out["preempt-all"]
+    think = {r.id: r.think_s for r in trace.requests}
+    by_id = {r["id"]: r for r in reqs}
+    later = [r for r in trace.requests if r.turn > 0 and r.id in by_id]
+    assert later
+    for t in later:
+        prev = next(q for q in trace.requests if q.session == t.session and q.turn == t.turn - 1)
+        assert by_id[t.id]["arrival_s"] == pytest.approx(by_id[prev.id]["finish_s"] + think[t.id])
+
+
+def test_policies_differ_on_the_same_trace(replays):
+    _, out = replays
+    figures = {p: lt.summarize(rp, reqs) for p, (rp, reqs) in out.items()}
+    assert figures["preempt-all"]["preemptions"] > 0
+    assert figures["swap-all"]["suspensions"] > 0
+    assert len({f["p99_ttft_s"] for f in figures.values()}) > 1
+
+
+def test_jitter_is_the_distance_from_the_recent_median():
+    got = lt.jitter([1.0, 1.0, 1.0, 5.0, 1.0], window=2)
+    assert got.tolist() == [0.0, 0.0, 4.0, 2.0]
+
+
+def test_goodput_counts_tokens_of_requests_within_both_slos():
+    cfg = dataclasses.replace(SMALL, slo_ttft_s=1.0, slo_tpot_s=0.1)
+    base = dict(status="finished", finish="length", preemptions=0, suspensions=0)
+    reqs = [dict(base, ttft_s=0.5, tpot_s=0.05, output_tokens=10),  # good
+            dict(base, ttft_s=2.0, tpot_s=0.05, output_tokens=20),  # late first token
+            dict(base, ttft_s=0.5, tpot_s=0.2, output_tokens=40),  # slow stream
+            dict(base, ttft_s=0.5, tpot_s=None, output_tokens=1),  # one token: TTFT only
+            dict(base, finish="released: lease_expiry", ttft_s=0.1, tpot_s=0.01,
+                 output_tokens=80)]
+    got = lt.latency_figures(reqs, cfg, seconds=2.0)
+    assert got["good_tokens"] == 11 and got["goodput"] == 5.5
+    assert got["completed"] == 4 and got["p50_ttft_s"] == 0.5
