@@ -18,3 +18,17 @@ __all__ = [
     "prompt_ids", "system_prompt_ids", "trace_summary", "save_trace", "load_trace",
     "TraceFormatError",
 ]
+
+# ---- the metadata-only load test: a trace replayed under each reclaim policy --------------------
+from kvquota.sim import loadtest, loadtest_io  # noqa: E402
+from kvquota.sim.loadtest import (  # noqa: E402
+    POLICIES,
+    CostConstants,
+    LoadConfig,
+    Replay,
+    devices_needed,
+    summarize,
+)
+
+__all__ += ["loadtest", "loadtest_io", "POLICIES", "CostConstants", "LoadConfig", "Replay",
+            "devices_needed", "summarize"]
