@@ -50,7 +50,7 @@ def define_flags():
     f.DEFINE_enum("arrival", "poisson", ["poisson", "bursty"], "Arrival process.")
     f.DEFINE_float("oversubscription", 1.2, "Sum of the tenants' quota shares (x weights).",
                    lower_bound=0.01)
-    f.DEFINE_float("session_fraction", 0.5, "Share of requests in multi-turn sessions.",
+    f.DEFINE_float("session_fraction", 0.3, "Share of requests in multi-turn sessions.",
                    lower_bound=0, upper_bound=1)
     f.DEFINE_integer("quota_cuts", 2, "Quota cuts in the generated trace.", lower_bound=0)
     f.DEFINE_integer("lease_expiries", 1, "Lease expiries in the generated trace.",
@@ -66,7 +66,7 @@ def define_flags():
                    lower_bound=1)
     f.DEFINE_integer("system_prompt_tokens", 512, "System prompt per group, tokens.",
                      lower_bound=0)
-    f.DEFINE_float("think_time_s", 120.0, "Mean think time between turns (s).", lower_bound=0)
+    f.DEFINE_float("think_time_s", 20.0, "Mean think time between turns (s).", lower_bound=0)
     f.DEFINE_list("policies", list(kq.RECLAIM_PRESETS), "Reclaim policy presets compared.")
     f.register_validator("policies", lambda v: bool(v) and set(v) <= set(kq.RECLAIM_PRESETS)
                          and len(set(v)) == len(v),
@@ -112,6 +112,8 @@ def define_flags():
     f.DEFINE_float("prefill_tokens_per_s", 0.0, "Prefill tokens/s per device (0: from "
                    "peak_flops x mfu).", lower_bound=0)
     f.DEFINE_boolean("real_check", False, "Also run the small real case (SmolLM2 on CPU).")
+    f.DEFINE_boolean("real_check_only", False, "Run only the small real case (its own run "
+                     "directory, loadtest_real-<key>).")
     runs.define_flags()
 
 
@@ -171,6 +173,8 @@ def main(argv):
     root = FLAGS.runs_dir
     if not FLAGS["runs_dir"].present:
         root = str(runs.REPO / runs.RUNS_DIR)  # the repo's runs/, from any working directory
+    if FLAGS.real_check_only:
+        return real_check_only(root)
     run = runs.open_run("loadtest", "experiments.loadtest", config, seed=FLAGS.seed,
                         root=root, overwrite=FLAGS.overwrite)
     if run.complete:
@@ -196,6 +200,24 @@ def main(argv):
     if bad:
         print(f"error: ledger drift is not 0: {bad} (run directory {run.path})", file=sys.stderr)
         sys.exit(1)
+
+
+def real_check_only(root: str):
+    run = runs.open_run("loadtest_real", "experiments.loadtest", {
+        "policies": list(FLAGS.policies), "real_check": True}, seed=0, root=root,
+        overwrite=FLAGS.overwrite)
+    if run.complete:
+        summary = run.stored_summary()
+    else:
+        realcheck = kq.sim.realcheck
+        summary = run.finish({"real_check": realcheck.run_check(list(FLAGS.policies))})
+        (run.path / "summary.md").write_text(realcheck.describe(summary["real_check"]) + "\n")
+    summary["wall_seconds"] = time.perf_counter() - _T0
+    if FLAGS.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print(kq.sim.realcheck.describe(summary["real_check"]))
+        print(f"run directory: {run.path}")
 
 
 def plot(points, metrics, out_dir):

@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 # ---- the metadata-only load test: a trace replayed under each reclaim policy --------------------
-from kvquota.sim import loadtest, loadtest_io  # noqa: E402
+from kvquota.sim import loadtest, loadtest_io, realcheck  # noqa: E402
 from kvquota.sim.loadtest import (  # noqa: E402
     POLICIES,
     CostConstants,
@@ -30,5 +30,5 @@ from kvquota.sim.loadtest import (  # noqa: E402
     summarize,
 )
 
-__all__ += ["loadtest", "loadtest_io", "POLICIES", "CostConstants", "LoadConfig", "Replay",
-            "devices_needed", "summarize"]
+__all__ += ["loadtest", "loadtest_io", "realcheck", "POLICIES", "CostConstants", "LoadConfig",
+            "Replay", "devices_needed", "summarize"]

@@ -46,7 +46,8 @@ def _configs():
                         keep_cold_blocks=True)
     load = lt.LoadConfig(model=MODEL, kv_format="f32", blocks=sc.num_blocks, max_seqs=8,
                          max_blocks_per_seq=26, num_tenants=4, token_budget=72, max_admit=4,
-                         prefill_rows=1, chunk_size=64, drift_every=25, max_steps=4000)
+                         prefill_rows=1, chunk_size=64, drift_every=25, max_steps=4000,
+                         cost=lt.CostConstants(step_overhead_s=0.0))  # only what varies
     return config, params, sc, load
 
 
