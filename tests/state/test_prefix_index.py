@@ -2,8 +2,8 @@
 of random programs it holds exactly the hashed blocks (check_invariants recomputes it), and a
 lookup through it returns exactly what the brute-force join over every block returns, for real
 keys, keys with other tokens and random keys, under forced hash collisions (hash_bits=2), with
-cold cached blocks on and off, donated or not; rebuilds happen and keep it exact; and the checker
-catches each kind of corruption."""
+cold cached blocks on and off, every op donated (the serving path); rebuilds happen and keep it
+exact; donated cores update it in place; and the checker catches each kind of corruption."""
 
 import collections
 import dataclasses
