@@ -16,7 +16,14 @@ JSON line per step (points.jsonl) and per request (requests.jsonl), metrics.json
 The ledger drift must be 0 at every check (every event, every --drift_every steps, the end):
 otherwise the run is written and the program exits with status 1. --real_check also runs the
 small real case (`kq.sim.realcheck`: SmolLM2-135M on CPU, measured step times against the cost
-model's ranking of the policies).
+model's ranking of the policies; ~4 minutes here, so off by default); --real_check_only runs just
+that, into its own run directory (loadtest_real-<key>):
+
+  python -m experiments.loadtest --real_check_only
+
+Step jitter is |step_s - median of the previous --jitter_window busy steps' step_s|; goodput is
+the output tokens of requests that ended normally within --slo_ttft_s and --slo_tpot_s, per
+modelled second; fragmentation is the unused token slots of the running rows' blocks, in bytes.
 """
 
 from __future__ import annotations
@@ -52,7 +59,10 @@ def define_flags():
                    lower_bound=0.01)
     f.DEFINE_float("session_fraction", 0.3, "Share of requests in multi-turn sessions.",
                    lower_bound=0, upper_bound=1)
-    f.DEFINE_integer("quota_cuts", 2, "Quota cuts in the generated trace.", lower_bound=0)
+    f.DEFINE_integer("quota_cuts", 4, "Quota cuts in the generated trace.", lower_bound=0)
+    f.DEFINE_float("cut_to", 0.05, "A cut leaves this share of the tenant's quota (deep: at "
+                   "this geometry prefill, not the pool, bounds the load).", lower_bound=0,
+                   upper_bound=1)
     f.DEFINE_integer("lease_expiries", 1, "Lease expiries in the generated trace.",
                      lower_bound=0)
     f.DEFINE_integer("context_max", 32768, "Longest conversation of the generated trace.",
@@ -141,6 +151,7 @@ def trace_config() -> "kq.sim.TraceConfig":
         seed=FLAGS.seed, requests=FLAGS.requests, tenants=FLAGS.tenants, groups=FLAGS.groups,
         arrival=FLAGS.arrival, rate_per_s=FLAGS.rate, oversubscription=FLAGS.oversubscription,
         session_fraction=FLAGS.session_fraction, quota_cuts=FLAGS.quota_cuts,
+        cut_to=FLAGS.cut_to,
         lease_expiries=FLAGS.lease_expiries, context_max=FLAGS.context_max,
         prompt_mean=FLAGS.prompt_mean, prompt_max=FLAGS.prompt_max,
         output_mean=FLAGS.output_mean, output_max=FLAGS.output_max,

@@ -90,7 +90,9 @@ def _exact_reads(config, state, batch, out):
     return reads, slack
 
 
-@pytest.mark.parametrize("policy", ["tiered", "swap-all", "evict-first"])
+@pytest.mark.parametrize("policy", [
+    "swap-all", pytest.param("tiered", marks=pytest.mark.slow),
+    pytest.param("evict-first", marks=pytest.mark.slow)])
 def test_kv_read_from_the_mirror_is_the_tables(policy):
     """Compressions, evictions, offloads and restores move entries out of pool 0: the cost
     model's per-pool read (the host mirror's counts) equals the block tables at every step."""
