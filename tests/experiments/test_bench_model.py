@@ -8,6 +8,7 @@ import kvquota as kq
 from experiments import bench_model
 
 
+@pytest.mark.slow  # ~8 s of timed decode: the default run's budget (issue #13)
 def test_point_times_decode_with_and_without_recording_attention():
     config = kq.get_model_config("tiny-qwen")
     params = kq.init_params(config, seed=0, scale=0.1)

@@ -27,6 +27,7 @@ def _expected_hit_blocks(prompts, batch, system_tokens):
     return hits
 
 
+@pytest.mark.slow  # ~15 s: the CLI at tiny sizes (the default run's budget, issue #13)
 def test_tiny_run_contract_and_results_match(tmp_path):
     args = [f"--{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in TINY.items()]
     out = tmp_path / "results" / "bench_prefix.json"

@@ -44,6 +44,7 @@ def test_json_contract(tiny):
     assert cost["hbm_bandwidth"] == 4.8e12 and cost["mfu"] == 0.5
 
 
+@pytest.mark.slow  # ~25 s: a second CLI run (the default run's budget, issue #13)
 def test_run_directory_and_an_exact_replay_of_its_trace(tiny, tmp_path):
     out, runs = tiny
     run = next(runs.glob("loadtest-*"))

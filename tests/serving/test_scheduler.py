@@ -389,6 +389,7 @@ def test_smollm2_preempt_and_offload_resume_to_the_same_greedy_tokens(policy):
     assert INVALID not in [t for r in reqs for t in r.tokens]
 
 
+@pytest.mark.slow  # a benchmark's timing run (~12 s): the default run's budget (issue #13)
 def test_bench_model_times_the_scheduler_step_beside_the_engine(params):
     """experiments.bench_model's point carries the scheduler's one-sync decode step beside
     the engine's, on the same prompts: same greedy tokens, one sync per step."""

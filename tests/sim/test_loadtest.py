@@ -90,6 +90,7 @@ def _exact_reads(config, state, batch, out):
     return reads, slack
 
 
+@pytest.mark.slow  # ~20 s a policy: a replay checked against the tables at every step
 @pytest.mark.parametrize("policy", [
     "swap-all", pytest.param("tiered", marks=pytest.mark.slow),
     pytest.param("evict-first", marks=pytest.mark.slow)])
@@ -128,6 +129,7 @@ def replays():
     return trace, out
 
 
+@pytest.mark.slow  # the five-policy replay fixture (~15 s): the default run's budget
 def test_replay_ends_every_request_with_zero_drift(replays):
     trace, out = replays
     for policy, (rp, reqs) in out.items():
@@ -147,6 +149,7 @@ def test_replay_ends_every_request_with_zero_drift(replays):
         assert clock == sorted(clock) and clock[-1] == rp.sched.clock
 
 
+@pytest.mark.slow  # the five-policy replay fixture (~15 s): the default run's budget
 def test_events_run_when_the_clock_passes_them(replays):
     trace, out = replays
     rp, _ = out["tiered"]
@@ -158,6 +161,7 @@ def test_events_run_when_the_clock_passes_them(replays):
         assert any(rp.samples[i - 1]["clock_s"] >= e.time_s for e in trace.events)
 
 
+@pytest.mark.slow  # the five-policy replay fixture (~15 s): the default run's budget
 def test_sessions_arrive_think_s_after_the_previous_turn(replays):
     trace, out = replays
     rp, reqs = out["preempt-all"]
@@ -170,6 +174,7 @@ def test_sessions_arrive_think_s_after_the_previous_turn(replays):
         assert by_id[t.id]["arrival_s"] == pytest.approx(by_id[prev.id]["finish_s"] + think[t.id])
 
 
+@pytest.mark.slow  # the five-policy replay fixture (~15 s): the default run's budget
 def test_policies_differ_on_the_same_trace(replays):
     _, out = replays
     figures = {p: lt.summarize(rp, reqs) for p, (rp, reqs) in out.items()}

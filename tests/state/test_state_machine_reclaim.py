@@ -135,7 +135,9 @@ def _run(machine, how, capsys):
     return dict(STATS)
 
 
-@pytest.mark.parametrize("machine", [ReclaimMachine, ColdReclaimMachine])
+# The cold variant runs under `slow` (as do both long runs): the default run's budget (issue #13).
+@pytest.mark.parametrize("machine", [ReclaimMachine,
+                                     pytest.param(ColdReclaimMachine, marks=pytest.mark.slow)])
 def test_reclaim_state_machine(machine, capsys):
     stats = _run(machine, FAST, capsys)
     low = {k: (stats.get(k, 0), f) for k, f in FLOORS.items() if stats.get(k, 0) < f}
