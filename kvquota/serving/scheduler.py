@@ -81,7 +81,7 @@ class Scheduler(metrics.Intake):
         # The clock (seconds): each step's executor seconds (measured, or modelled by the cost
         # model) move it on; requests with arrival_s arrive when it passes them, and an idle
         # scheduler jumps to the next arrival (or to `wake_s`: the caller's next appointment).
-        self.clock, self.wake_s, self._due = 0.0, float("inf"), (INT32_MAX, float("inf"))
+        self.clock, self.wake_s, self._due = 0.0, INF, (INT32_MAX, INF)
         self.m = HostMirror(self.state, self.config if executor.cost_model else None)
 
     # ---- tenants and requests ----------------------------------------------------------------

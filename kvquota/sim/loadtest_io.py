@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from kvquota.serving.metrics import read_json_lines
 from kvquota.sim import loadtest as lt
 from kvquota.sim.trace_io import save_trace
 from kvquota.sim.trace_io import trace_summary
@@ -111,11 +112,6 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def read_requests(run_dir) -> list[dict]:
-    path = pathlib.Path(run_dir) / REQUESTS
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 def plot(points, metrics, out_dir) -> list[str]:
     """latency_cdf.png (TTFT and TPOT CDFs per policy, log x) and bytes_timeline.png (device,
     compressed and host bytes over the modelled clock, one panel per policy)."""
@@ -123,7 +119,7 @@ def plot(points, metrics, out_dir) -> list[str]:
 
     out_dir = pathlib.Path(out_dir)
     policies = list(metrics["policies"])
-    reqs = read_requests(out_dir)
+    reqs = read_json_lines(out_dir / REQUESTS)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "ttft_s", "time to first token (s, modelled)"),
                            (axes[1], "tpot_s", "time per output token (s, modelled)")):
