@@ -126,41 +126,36 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
     ok, reason = _decide(config, state, tenants, valid, lengths, nnew, True,
                          jnp.zeros((b,), bool), revive)
     slot = _free_slots(state, ok)
-    kk = jnp.arange(mb, dtype=jnp.int32)[None, :]
-    pad_mb = lambda x, v: jnp.pad(x, ((0, 0), (0, mb - m)), constant_values=v)  # noqa: E731
-    hits_mb = pad_mb(hits, INVALID)
-    tcol = jnp.broadcast_to(tc[:, None], (b, mb))
+    # Every per-entry update works on the prompt's m block columns (columns >= m are never hit
+    # nor new since nblk <= m); only the table rows are padded to MB, so the cost follows the
+    # prompt, not max_blocks_per_seq.
+    tcol = jnp.broadcast_to(tc[:, None], (b, m))
     if revive is not None:
         # Cold hits of accepted rows are revived, each paid by the lowest accepted row hitting
         # it; they leave the LRU before any block is popped, so no pop can take them.
         rev, rev_tenant = revivers(*revive, ok, tenants)
-        rev, cold_mb, rev_tenant = pad_mb(rev, False), pad_mb(revive[0], False), pad_mb(
-            rev_tenant, INVALID)
         nrev = rev.sum(axis=1).astype(jnp.int32)
         state = state.update(
-            cold_at=state.blocks.cold_at.at[oob(hits_mb, rev, nb)].set(INVALID, mode="drop"),
+            cold_at=state.blocks.cold_at.at[oob(hits, rev, nb)].set(INVALID, mode="drop"),
             cold_count=state.free.cold_count - nrev.sum())
-        hit_payer = jnp.where(cold_mb, rev_tenant, state.blocks.payer[clip(hits_mb)])
+        hit_payer = jnp.where(revive[0], rev_tenant, state.blocks.payer[clip(hits)])
     else:
-        rev, nrev = jnp.zeros((b, mb), bool), jnp.zeros((b,), jnp.int32)
-        hit_payer = state.blocks.payer[clip(hits_mb)]
+        rev, nrev = jnp.zeros((b, m), bool), jnp.zeros((b,), jnp.int32)
+        hit_payer = state.blocks.payer[clip(hits)]
 
-    # Table rows [B, MB]: hits, then popped blocks, then INVALID.
-    is_hit = kk < nhit[:, None]
-    is_new = (kk >= nhit[:, None]) & (kk < nblk[:, None]) & ok[:, None]
+    # Table rows [B, m]: hits, then popped blocks, then INVALID.
+    is_hit = k < nhit[:, None]
+    is_new = (k >= nhit[:, None]) & (k < nblk[:, None]) & ok[:, None]
     popped, _, state = take_pool0(config, state, is_new)
-    rows = jnp.where(is_hit, hits_mb, jnp.where(is_new, popped, INVALID))
+    rows = jnp.where(is_hit, hits, jnp.where(is_new, popped, INVALID))
     rows = jnp.where(ok[:, None], rows, INVALID)
 
-    # Per-entry data of the new blocks (entries k < m only; k >= m is never new since nblk <= m).
     entry = oob(rows, rows >= 0, nb)
     new_ids = oob(rows, is_new, nb)
     hit_own = hit_payer == tcol  # (read only where is_hit)
     prev = jnp.pad(rows[:, :-1], ((0, 0), (1, 0)), constant_values=INVALID)
-    fill = jnp.clip(lengths[:, None] - kk * p, 0, p)
+    fill = jnp.clip(lengths[:, None] - k * p, 0, p)
     full = fill == p
-    blocks_mb = jnp.pad(blocks, ((0, 0), (0, mb - m), (0, 0)), constant_values=INVALID)
-    hashes_mb = jnp.pad(hashes, ((0, 0), (0, mb - m), (0, 0)))
 
     s = state
     state = s.update(
@@ -170,17 +165,18 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         payer=s.blocks.payer.at[after(new_ids, hit_own)].set(tcol, mode="drop")
         .at[oob(rows, rev, nb)].set(tcol, mode="drop"),
         fill=s.blocks.fill.at[new_ids].set(fill, mode="drop"),
-        token_ids=s.blocks.token_ids.at[new_ids].set(blocks_mb, mode="drop"),
+        token_ids=s.blocks.token_ids.at[new_ids].set(blocks, mode="drop"),
         attn_mass=s.blocks.attn_mass.at[new_ids].set(0.0, mode="drop"),
         block_hash=s.blocks.block_hash.at[new_ids].set(
-            jnp.where(full[..., None], hashes_mb, jnp.uint32(0)), mode="drop"),
+            jnp.where(full[..., None], hashes, jnp.uint32(0)), mode="drop"),
         hashed=s.blocks.hashed.at[new_ids].set(full, mode="drop"),
         block_salt=s.blocks.block_salt.at[new_ids].set(
-            jnp.broadcast_to(salts[:, None], (b, mb)), mode="drop"),
+            jnp.broadcast_to(salts[:, None], (b, m)), mode="drop"),
         parent=s.blocks.parent.at[new_ids].set(prev, mode="drop"),
         parent_gen=s.blocks.parent_gen.at[new_ids].set(
             jnp.where(prev >= 0, s.blocks.generation[clip(prev)], 0), mode="drop"),
-        block_tables=s.seqs.block_tables.at[oob(slot, ok, config.max_seqs)].set(rows, mode="drop"),
+        block_tables=s.seqs.block_tables.at[oob(slot, ok, config.max_seqs)].set(
+            jnp.pad(rows, ((0, 0), (0, mb - m)), constant_values=INVALID), mode="drop"),
         seq_lens=s.seqs.seq_lens.at[oob(slot, ok, config.max_seqs)].set(lengths, mode="drop"),
         positions=s.seqs.positions.at[oob(slot, ok, config.max_seqs)].set(lengths, mode="drop"),
         seq_tenant=s.seqs.seq_tenant.at[oob(slot, ok, config.max_seqs)].set(tenants, mode="drop"),
