@@ -9,8 +9,9 @@ hands off through `kvquota.core.run`: without donation the input state stays val
 (serving loops; the caller must not use the old state afterwards).
 
 Release and free touch only the rows they need: the facade lists the tenant's sequence slots (and
-the live slots of tenants sharing its salt, the only possible heirs) and pads each list to a power
-of two, so the jitted core works on O(rows x MB) entries and compiles once per size bucket.
+the table entries of the live slots of tenants sharing its salt, the only possible heirs) and pads
+each list to a power of two, so the jitted core works on O(rows x MB + heir entries) entries and
+compiles once per size bucket.
 """
 
 from __future__ import annotations
@@ -115,15 +116,24 @@ class Allocator(TierOps, ReclaimOps):
                             f"{STATUS_NAMES.get(int(status[wrong][0]), 'unknown')}, not {names}")
         return ids
 
-    def _heir_rows(self, state, salts, exclude) -> Optional[np.ndarray]:
-        """Live sequence slots of tenants whose salt is in `salts` (the only possible heirs),
-        padded to a power of two; None when there are none (the core then reads no other row)."""
+    def _heir_rows(self, state, salts, exclude) -> Optional[tuple]:
+        """The table entries of the live sequence slots of tenants whose salt is in `salts` (the
+        only possible heirs): (rows, cols) i32[S] naming each of their ceil(len / P) entries,
+        padded with INVALID to a power of two; None when there are none (the core then reads no
+        other row). Listing entries, not rows x MB, keeps the core's cost at the entries held."""
         ten = np.asarray(state.seqs.seq_tenant)
         salt = np.asarray(state.tenants.salt)
         live = ten >= 0
         rows = np.flatnonzero(live & np.isin(salt[np.maximum(ten, 0)], np.asarray(salts)))
         rows = np.setdiff1d(rows, exclude)
-        return pad(rows, bucket(len(rows))) if len(rows) else None
+        p = self.config.block_size
+        n = (np.asarray(state.seqs.seq_lens)[rows].astype(np.int64) + p - 1) // p
+        if not n.sum():
+            return None
+        size = bucket(int(n.sum()))
+        starts = np.cumsum(n) - n
+        cols = np.arange(int(n.sum())) - np.repeat(starts, n)
+        return pad(np.repeat(rows, n), size), pad(cols, size)
 
     # ---- tenants ---------------------------------------------------------------------------
     def _quota_units(self, byte_quota) -> int:

@@ -74,7 +74,8 @@ def fresh_count(config: StateConfig, state: KVState, seq_ids, keep):
 
 def evict_tokens(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
     """Keep exactly the tokens `keep` (bool[B, MB * P]) of `seq_ids` (i32[B], unique, INVALID =
-    padding), compacted. `heir_rows` are the live rows that may inherit a shared block's charge."""
+    padding), compacted. `heir_rows` (the live rows' table entries, see `release.heir_inputs`)
+    may inherit a shared block's charge."""
     p, nb, ns, ntn = config.block_size, config.total_blocks, config.max_seqs, config.num_tenants
     pl = plan_tokens(config, state, seq_ids, keep)
     state = pl["state"]  # the fresh blocks popped

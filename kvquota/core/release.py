@@ -10,20 +10,21 @@ from kvquota.codes import SEQ_FREE
 from kvquota.core.cold import stamp_cold
 from kvquota.core.index import forget
 from kvquota.core.pages import scrub_blocks
-from kvquota.core.scatter import after, clip, device_units, oob
+from kvquota.core.scatter import after, clip, device_units, materialize, oob
 from kvquota.reports import FreeReport
 from kvquota.sentinel import INVALID
 from kvquota.state import pool_of
 
 def heir_inputs(state, heir_rows):
-    """Entries i32[R, MB] and tenants i32[R, MB] of the rows that may inherit charges (None when
-    the caller knows there is no candidate: then no table row beyond the freed ones is read)."""
+    """Entries i32[S] and tenants i32[S] of the table entries that may inherit charges, from
+    `heir_rows` = (rows, cols) i32[S] (INVALID = padding; the facade's `_heir_rows`). None when
+    the caller knows there is no candidate: then no table row beyond the freed ones is read."""
     if heir_rows is None:
         return None
-    hr = clip(heir_rows)
-    hten = jnp.where(heir_rows >= 0, state.seqs.seq_tenant[hr], INVALID)
-    hent = state.seqs.block_tables[hr]
-    return hent, jnp.broadcast_to(hten[:, None], hent.shape)
+    rows, cols = heir_rows
+    ok = rows >= 0
+    hent = jnp.where(ok, state.seqs.block_tables[clip(rows), clip(cols)], INVALID)
+    return materialize(hent), jnp.where(ok, state.seqs.seq_tenant[clip(rows)], INVALID)
 
 
 def settle(config, state, touched, heirs, reads=()):
@@ -36,7 +37,7 @@ def settle(config, state, touched, heirs, reads=()):
     of onto the stack: it keeps its cache entry (hash, salt, token ids, parent, generation and
     pages, which scrub_on_free leaves alone), loses its payer and mass, and counts as returned.
 
-    Everything is O(E + R x MB) gathers and scatters: nothing sorts and nothing is NB-sized.
+    Everything is O(E + S) gathers and scatters (S heir entries): nothing sorts and nothing is NB-sized.
     Repeated ids are resolved by letting every copy write its (negative) position into the
     block's `payer`, which is overwritten anyway for freed and orphaned blocks, and keeping the
     copy that won. `reads` are earlier reads of `payer` the first write must wait for.
@@ -145,8 +146,8 @@ def settle(config, state, touched, heirs, reads=()):
 
 def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_slots=0):
     """Free the sequences `seq_rows` (i32[K], unique, INVALID = padding): one reference dropped
-    per block-table entry. `heir_rows` (i32[R], disjoint from `seq_rows`) are the live sequences
-    that may inherit charges.
+    per block-table entry. `heir_rows` ((rows, cols) i32[S], the entries of live sequences disjoint
+    from `seq_rows`) are the table entries that may inherit charges.
 
     With `unpin_tenant` (a traced i32 scalar) and `unpin_slots` > 0 (static: an upper bound on that
     tenant's pinned blocks), also drops every pin on blocks charged to that tenant.
@@ -155,7 +156,7 @@ def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_
     valid = seq_rows >= 0
     rc = clip(seq_rows)
     ten = jnp.where(valid, state.seqs.seq_tenant[rc], INVALID)
-    entries = jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID)  # [K, MB]
+    entries = materialize(jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID))  # [K, MB]
     live = entries >= 0
     lens = jnp.where(valid, state.seqs.seq_lens[rc], 0)
     heirs = heir_inputs(state, heir_rows)

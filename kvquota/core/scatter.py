@@ -48,3 +48,14 @@ def after(index, *reads):
         if x.size:
             ok = ok & (jnp.min(x) <= jnp.max(x))
     return jnp.where(ok, index, jnp.iinfo(jnp.int32).max)
+
+
+def materialize(x):
+    """`x` (an integer array) as a buffer of its own. A gather whose result is still used after
+    the array it reads is scattered into gets fused into each consumer, each re-reading the
+    array, so copy insertion copies the whole array to keep the old value. Rebuilding `x` as
+    the running sum of its differences (exact in wrapping int32 arithmetic) is not fusable into
+    several consumers (a reduce-window), so the gather runs once, before the scatter."""
+    flat = x.ravel()
+    steps = jnp.concatenate([flat[:1], flat[1:] - flat[:-1]])
+    return jnp.cumsum(steps, dtype=flat.dtype).reshape(x.shape)

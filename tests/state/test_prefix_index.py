@@ -377,10 +377,11 @@ def test_donated_cores_update_the_index_in_place(cold):
     state = build_state(config, SyntheticSpec(num_seqs=30, num_groups=1, group_size=2,
                                               pool_fill=0.4))
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    heirs = (i32([2, 2, 3, 3]), i32([0, 1, 0, 1]))  # (rows, cols) of heir table entries
     calls = {
         "admit": ("admit", (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
         "append": ("append", (i32([0, 1]), i32([3, 4]))),
-        "free": ("drop", (i32([0, 1]), i32([2, 3]), None, 0)),
+        "free": ("drop", (i32([0, 1]), heirs, None, 0)),
         "drop_cold": ("drop_cold", (np.int32(2), 2)),
     }
     sizes = [2 * home_count(config)] + ([] if cold else [config.total_blocks])

@@ -111,12 +111,13 @@ def test_donated_cores_update_in_place():
     state = build_state(config, SyntheticSpec(num_seqs=30, num_groups=1, group_size=2,
                                               pool_fill=0.4, pin_prefixes=True))
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    heirs = (i32([2, 2, 3, 3]), i32([0, 1, 0, 1]))  # (rows, cols) of heir table entries
     calls = {
         "admit": (core.compiled("admit", donate=True), (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
         "append": (core.compiled("append", donate=True), (i32([0, 1]), i32([3, 4]))),
         "pin": (core.compiled("pin", donate=True), (i32([0, 1]),)),
-        "unpin": (core.compiled("unpin", donate=True), (i32([0, 1]), i32([2, 3]))),
-        "free": (core.compiled("drop", donate=True), (i32([0, 1]), i32([2, 3]), None, 0)),
+        "unpin": (core.compiled("unpin", donate=True), (i32([0, 1]), heirs)),
+        "free": (core.compiled("drop", donate=True), (i32([0, 1]), heirs, None, 0)),
         "release_unpin": (core.compiled("drop", donate=True), (i32([0, 1]), None, np.int32(0), 4)),
     }
     big = re.compile(r"= \w+\[(%d|37,29)[\],].*\bcopy\(" % config.total_blocks)
