@@ -332,6 +332,7 @@ class Ledger:
 
     def summary(self, tenant: Optional[int] = None) -> dict:
         """Plain-Python numbers for printing or JSON."""
+        self = jax.device_get(self)  # one host read, then NumPy indexing
         rows = range(len(np.asarray(self.used_tokens))) if tenant is None else [tenant]
         out = {}
         for t in rows:

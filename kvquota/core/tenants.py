@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from kvquota.core.cold import allocatable
 from kvquota.core.scatter import charged_units
@@ -38,22 +37,16 @@ def ledger(config: StateConfig, state: KVState) -> Ledger:
     distinct blocks referenced but paid by others, reclaimable blocks, fragmentation."""
     nb, ntn, npools, p = config.total_blocks, config.num_tenants, config.num_pools, config.block_size
     s = state
-    # Distinct (tenant, block) references: sort-merge over all table entries.
+    # Distinct (tenant, block) references: one flag per (block, tenant), set from every table
+    # entry (repeats write the same True), then the flags whose block another tenant pays for.
     ten = jnp.broadcast_to(s.seqs.seq_tenant[:, None], s.seqs.block_tables.shape).ravel()
     blk = s.seqs.block_tables.ravel()
     live = (blk >= 0) & (ten >= 0)
-    ten = jnp.where(live, ten, ntn)
-    blk = jnp.where(live, blk, nb)
-    ten_s, blk_s = lax.sort((ten, blk), num_keys=2)
-    first = (ten_s < ntn) & (
-        (ten_s != jnp.pad(ten_s[:-1], (1, 0), constant_values=-1))
-        | (blk_s != jnp.pad(blk_s[:-1], (1, 0), constant_values=-1))
-    )
-    bc = jnp.minimum(blk_s, nb - 1)
-    others = first & (s.blocks.payer[bc] != ten_s)
-    seg = jnp.where(others, ten_s * npools + pool_of(config, bc), ntn * npools)
-    shared = jax.ops.segment_sum(others.astype(jnp.int32), seg, num_segments=ntn * npools + 1)
-    shared = shared[:-1].reshape(ntn, npools)
+    refs = jnp.zeros((nb, ntn), bool).at[jnp.where(live, blk, nb), jnp.clip(ten, 0, ntn - 1)].set(
+        True, mode="drop")
+    others = refs & (s.blocks.payer[:, None] != jnp.arange(ntn, dtype=jnp.int32)[None, :])
+    shared = jnp.stack([others[start:start + size].sum(axis=0, dtype=jnp.int32)
+                        for start, size in zip(config.pool_starts, config.pool_sizes)], axis=1)
 
     pools = pool_of(config, jnp.arange(nb))
     charged = s.blocks.payer >= 0
