@@ -336,7 +336,7 @@ class Scheduler(metrics.Intake):
             rows.append(r)
         if not rows:
             return
-        c, b = self.config, self.max_admit
+        c, b = self.config, bucket(len(rows), self.max_admit, floor=4)  # rows padded: 4..max_admit
         ten, lens = np.full(b, INVALID, np.int32), np.zeros(b, np.int32)
         tok = np.zeros((b, bucket(max(len(r.context) for r in rows), c.max_tokens_per_seq)),
                        np.int32)
