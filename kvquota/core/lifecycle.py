@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from kvquota.codes import SEQ_FREE, SEQ_PREEMPTED
 from kvquota.core.release import drop_sequences
-from kvquota.core.scatter import clip, oob
+from kvquota.core.scatter import clip, materialize, oob
 from kvquota.reports import PreemptReport
 from kvquota.sentinel import INVALID
 
@@ -27,16 +27,19 @@ def preempt(config, state, seq_rows, heir_rows):
     valid = seq_rows >= 0
     rc = clip(seq_rows)
     ten = jnp.where(valid, state.seqs.seq_tenant[rc], INVALID)
-    table = jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID)
+    table = materialize(jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID))
     lens = jnp.where(valid, state.seqs.seq_lens[rc], 0)
-    ids = state.blocks.token_ids[clip(table)].reshape(seq_rows.shape[0], mb * p)
+    k = seq_rows.shape[0]
+    ids = state.blocks.token_ids[clip(table)].reshape(k, mb * p)
     fill = jnp.where(table >= 0, state.blocks.fill[clip(table)], 0)
     # Cache order: block by block, each block's first `fill` slots (a token-evicted sequence
-    # is packed, so this is its cache index order too).
-    slot = jnp.arange(p)[None, None, :] < fill[:, :, None]
-    order = jnp.argsort(~slot.reshape(seq_rows.shape[0], mb * p), axis=1, stable=True)
-    archived = jnp.take_along_axis(ids, order, axis=1)
-    archived = jnp.where(jnp.arange(mb * p)[None, :] < lens[:, None], archived, INVALID)
+    # is packed, so this is its cache index order too): slot j goes to the number of filled
+    # slots before it, the first `lens` of them kept.
+    slot = (jnp.arange(p)[None, None, :] < fill[:, :, None]).reshape(k, mb * p)
+    dest = jnp.cumsum(slot, axis=1, dtype=jnp.int32) - 1
+    keep = slot & (dest < lens[:, None])
+    archived = jnp.full((k, mb * p), INVALID, jnp.int32).at[
+        jnp.arange(k)[:, None], jnp.where(keep, dest, mb * p)].set(ids, mode="drop")
     position = jnp.where(valid, state.seqs.positions[rc], 0)
     state, free = drop_sequences(config, state, seq_rows, heir_rows)
     rows = oob(seq_rows, valid, ns)

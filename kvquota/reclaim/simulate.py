@@ -26,17 +26,15 @@ class HostModel:
         c = config
         self.c = c
         b, s, t = host.blocks, host.seqs, host.tenants
-        # Blocks a move creates get model-only ids past the real ones (NB + k): their charges
-        # and references are tracked like any other block's.
-        extra = c.max_seqs * c.max_blocks_per_seq
-        grow = lambda a, v: np.concatenate([a.astype(np.int64), np.full(extra, v, np.int64)])  # noqa: E731
-        self.ref = grow(b.ref_count, 0)
-        self.pin = grow(b.pin_count, 0)
-        self.payer = grow(b.payer, INVALID)
-        self.prefs = grow(b.payer_refs, 0)
-        self.fill = grow(b.fill, 0)
-        self.hashed = np.concatenate([b.hashed, np.zeros(extra, bool)])
-        self.pool = grow(pool_of(c, np.arange(c.total_blocks), xp=np), 0)
+        # Blocks a move creates get model-only ids past the real ones (NB + k, the arrays grown
+        # as needed: `_reserve`): their charges and references are tracked like any other's.
+        self.ref = b.ref_count.astype(np.int64)
+        self.pin = b.pin_count.astype(np.int64)
+        self.payer = b.payer.astype(np.int64)
+        self.prefs = b.payer_refs.astype(np.int64)
+        self.fill = b.fill.astype(np.int64)
+        self.hashed = np.array(b.hashed, bool)
+        self.pool = pool_of(c, np.arange(c.total_blocks), xp=np).astype(np.int64)
         self.next_id = c.total_blocks
         self.tables = s.block_tables.astype(np.int64).copy()
         self.ten = s.seq_tenant.astype(np.int64).copy()
@@ -48,6 +46,19 @@ class HostModel:
         self.units = np.asarray(c.pool_units, np.int64)
         self.device = np.asarray(c.device_pools)
         self.inherited_by_others = 0  # victims' device units whose charge passed to non-victims
+
+    _BLOCK_FIELDS = {"ref": 0, "pin": 0, "payer": INVALID, "prefs": 0, "fill": 0,
+                     "hashed": False, "pool": 0}  # per-block arrays and a new block's value
+
+    def _reserve(self, n: int):
+        """Room for n more model-only block ids (the per-block arrays at least double)."""
+        size = len(self.ref)
+        if self.next_id + n <= size:
+            return
+        more = max(self.next_id + n - size, size)
+        for name, value in self._BLOCK_FIELDS.items():
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.full(more, value, a.dtype)]))
 
     def copy(self) -> "HostModel":
         new = HostModel.__new__(HostModel)
@@ -133,6 +144,7 @@ class HostModel:
         blocks = self.tables[row, pos]
         t = self.ten[row]
         n = len(blocks)
+        self._reserve(n)
         new = np.arange(self.next_id, self.next_id + n)
         self.next_id += n
         self.ref[new], self.prefs[new], self.payer[new] = 1, 1, t
