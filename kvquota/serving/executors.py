@@ -159,15 +159,18 @@ def build_batch(executor, dec, pre, mirror: HostMirror, host_bytes: int = 0) -> 
     positions start at the slot's position - length)."""
     mirror.check_decode(executor.state_config, [r.seq for r in dec])
     m_len, m_pos = mirror.length, mirror.position
-    bd, bp = executor.max_batch, executor.prefill_rows
+    bd, bp = executor.decode_width(len(dec)), executor.prefill_rows
     width = executor.chunk_width(max((n for _, n in pre), default=1))
     b = StepBatch(np.full(bd, INVALID, np.int32), np.zeros(bd, np.int32),
                   np.zeros((bd, 2), np.int32), np.full(bp, INVALID, np.int32),
                   np.zeros((bp, width), np.int32), np.zeros(bp, np.int32),
                   np.zeros(bp, np.int32), np.zeros((bp, width), np.int32),
                   np.zeros((bp, 2), np.int32), host_bytes)
-    for i, r in enumerate(dec):
-        b.dec_seq[i], b.dec_tok[i], b.dec_key[i] = r.seq, r.tokens[-1], (r.id, len(r.tokens))
+    if dec:
+        n = len(dec)
+        b.dec_seq[:n] = [r.seq for r in dec]
+        b.dec_tok[:n] = [r.tokens[-1] for r in dec]
+        b.dec_key[:n] = [(r.id, len(r.tokens)) for r in dec]
     if mirror.pools is not None:
         b.row_pools = np.zeros((bd + bp, mirror.pools.shape[1]), np.int32)
         b.row_pools[: len(dec)] = mirror.pools[b.dec_seq[: len(dec)]]
@@ -322,6 +325,10 @@ class _Executor:
         self.syncs = 0  # device-to-host readbacks made by step()
         self.last_slack = 0  # the last step's StepOutput.slack_tokens
 
+    def decode_width(self, rows: int) -> int:
+        """Decode rows of a step's padded batch: max_batch (one compile of the model)."""
+        return self.max_batch
+
     def chunk_width(self, longest: int) -> int:
         """The padded chunk width T for a step whose longest chunk is `longest` tokens."""
         return bucket(longest, self.chunk_size, floor=self.chunk_floor)
@@ -414,6 +421,11 @@ class CostModelExecutor(_Executor):
                 self.weight_bytes < 0 or self.step_overhead_s < 0:
             raise InvalidArgumentError("bandwidths and the prefill rate must be > 0; weight "
                                        "bytes and the step overhead >= 0")
+
+    def decode_width(self, rows: int) -> int:
+        """A power of two >= rows (64 .. max_batch): a step costs its rows, not max_batch
+        (each width compiles once; a metadata step compiles in about a second)."""
+        return bucket(rows, self.max_batch, floor=min(64, self.max_batch))
 
     def modelled_seconds(self, block_reads, prefill_tokens: int, host_bytes: int) -> float:
         kv = int((np.asarray(block_reads, np.int64) * self._pool_bytes).sum())

@@ -172,18 +172,18 @@ def check_request(config: StateConfig, r: Request) -> list[int]:
     if r.arrival_s is not None and not (isinstance(r.arrival_s, (int, float)) and
                                         0 <= r.arrival_s < float("inf")):
         raise InvalidArgumentError(f"arrival_s must be a finite number >= 0, got {r.arrival_s!r}")
-    return [int(x) for x in ids]
+    return ids.astype(np.int64).tolist()  # Python ints
 
 
 def hits_unwritten(block_size: int, context, prefilling) -> bool:
     """Would a prompt `context` hit, in the prefix cache, a full block that one of the
     `prefilling` requests (same salt) reserved but has not prefilled yet (K/V unwritten)?
     Admission hits at most (len - 1) // P leading blocks, along the chain from block 0."""
-    p, ctx = block_size, np.asarray(context)
+    p, ctx = block_size, list(context)
     for o in prefilling:
         n = min((len(ctx) - 1) // p, len(o.context) // p) * p
-        same = ctx[:n] == np.asarray(o.context[:n])
-        if (int(np.argmin(same)) if not same.all() else n) // p > o.prefilled // p:
+        m = (o.prefilled // p + 1) * p  # it hits past o's written blocks iff these m match
+        if m <= n and ctx[:m] == list(o.context[:m]):
             return True
     return False
 

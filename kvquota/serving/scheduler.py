@@ -6,13 +6,12 @@ a quota cut / lease expiry is plan_reclaim -> apply_plan, whose fates reach the 
 tenant's queue and are re-admitted, prefix-cache hits first, the rest recomputed by chunked
 prefill); a new tenant registers (and may make room), a burst submits requests (and may change
 quotas: a top-up); (3) admits queued requests (per-tenant FIFO, resumes first) in one facade
-call; (4) runs one executor step (kvquota.serving.executors: one jitted call and one readback,
-validated against the host mirror instead of the facade): every running request decodes a token,
-prefilling ones get chunks under the token budget; (5) records the step (serving.metrics).
-
-An append refused for quota (pool) preempts the tenant's (batch's) newest running request, as
-vLLM does; a request alone and still refused ends with the reason. Every request ends finished
-(`finish` says why), refused (with the reason), or is still queued. Facade calls donate the state.
+call; (4) runs one executor step (one jitted call and one readback, checked against the host
+mirror): running requests decode a token, prefilling ones get chunks under the token budget;
+(5) records the step (serving.metrics). An append refused for quota (pool) preempts the tenant's
+(batch's) newest running request, as vLLM does; a request alone and still refused ends with the
+reason. Every request ends finished (`finish` says why), refused (with the reason), or is still
+queued. Facade calls donate the state.
 """
 
 from __future__ import annotations
@@ -87,9 +86,8 @@ class Scheduler(metrics.Intake):
     # ---- tenants and requests ----------------------------------------------------------------
     def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
                         share_group: Optional[int] = None, lease_expiry: int = INT32_MAX):
-        report = self._op("register_tenant", tenant, token_quota=token_quota,
-                          byte_quota=byte_quota, share_group=share_group,
-                          lease_expiry=lease_expiry)
+        report = self._op("register_tenant", tenant, token_quota=token_quota, byte_quota=byte_quota,
+                          share_group=share_group, lease_expiry=lease_expiry)
         self.tenants[int(tenant)] = dict(group=share_group, expired=False)
         return report
 
@@ -264,8 +262,7 @@ class Scheduler(metrics.Intake):
     def _preempt(self, reqs):
         """Preempt running requests (the scheduler's choice: an append ran out of room)."""
         seqs = np.asarray([r.seq for r in reqs], np.int32)
-        report = self._op("preempt", seqs)
-        self.syncs += 1
+        report, self.syncs = self._op("preempt", seqs), self.syncs + 1
         archived = {seq: tok for seq, _, tok, _ in report.archives()}
         for r in sorted(reqs, key=lambda q: -q.admitted):  # the oldest ends up in front
             self._requeue(r, archived[r.seq])
@@ -286,9 +283,8 @@ class Scheduler(metrics.Intake):
         if idle:
             self._op("set_idle", np.asarray([seq], np.int32))
         moved = int(self._read(rep.moved_blocks).sum()) * self.config.pool_bytes[0]
-        r.resume_bytes += moved
+        r.resume_bytes, self._host_bytes = r.resume_bytes + moved, self._host_bytes + moved
         self.counters.add("resume_bytes_paid", moved)
-        self._host_bytes += moved
         self.m.status[seq], self._progress = SEQ_IDLE if idle else SEQ_RUNNING, True
         self.m.restored(seq)
         return True
@@ -309,8 +305,9 @@ class Scheduler(metrics.Intake):
         if any(e.tenant == r.tenant or e.kind in ("quota_cut", "lease_expiry")
                for e in self.events[self._ev:]):
             return False
-        return not [o for o in self.live + list(self.idle_of.values()) if o is not r and
-                    getattr(o, "status", "") != "suspended" and (not mine or o.tenant == r.tenant)]
+        return not any(o is not r and getattr(o, "status", "") != "suspended" and
+                       (not mine or o.tenant == r.tenant)
+                       for o in (*self.live, *self.idle_of.values()))
 
     def _admit(self):
         """One admit call for up to max_admit queued requests: per-tenant FIFO (resumes and a
@@ -319,13 +316,14 @@ class Scheduler(metrics.Intake):
         heads = sorted((r for q in self.queues.values() for r in list(q)[: self.max_admit]),
                        key=lambda r: (not (r.resuming or r.turn), r.arrival, r.id))
         rows, blocked = [], set(self.parked)
+        prefilling = [o for o in self.live if o.status == "prefill"]
         for r in heads:
             if len(rows) == self.max_admit or r.tenant in blocked:
                 continue
             g = self.tenants[r.tenant]["group"]  # same salt: same tenant or share group
             if metrics.hits_unwritten(self.config.block_size, r.context, [
-                    o for o in self.live if o.status == "prefill" and (o.tenant == r.tenant or (
-                        g is not None and self.tenants[o.tenant]["group"] == g))]):
+                    o for o in prefilling if o.tenant == r.tenant or (
+                        g is not None and self.tenants[o.tenant]["group"] == g)]):
                 blocked.add(r.tenant)
                 self.counters.add("deferred")
                 continue
@@ -387,14 +385,15 @@ class Scheduler(metrics.Intake):
 
     # ---- the executor step -------------------------------------------------------------------
     def _absorb(self, out, dec, pre):
-        refused = []
-        for i, r in enumerate(dec):
-            if out.appended[i]:
-                self.m.length[r.seq], self.m.position[r.seq] = (self.m.length[r.seq] + 1,
-                                                                self.m.position[r.seq] + 1)
-                self._took(r, int(out.dec_next[i]))
+        n, m, appended = len(dec), self.m, out.appended[: len(dec)]
+        grown = np.asarray([r.seq for r in dec], np.int64)[appended]  # unique slots
+        m.length[grown], m.position[grown] = m.length[grown] + 1, m.position[grown] + 1
+        tokens, reasons, refused = out.dec_next[:n].tolist(), out.reason[:n].tolist(), []
+        for i, ok in enumerate(appended.tolist()):
+            if ok:
+                self._took(dec[i], tokens[i])
             else:
-                refused.append((r, int(out.reason[i])))
+                refused.append((dec[i], reasons[i]))
         for j, (r, n) in enumerate(pre):
             r.prefilled += n
             self.counters.add("prefill_tokens", n)
@@ -403,9 +402,12 @@ class Scheduler(metrics.Intake):
                 if r.pin_blocks and not r.preemptions and not r.turn:  # pinned once, written
                     self._op("pin_prefix", r.seq, r.pin_blocks)
                 self._took(r, int(out.pre_next[j]))
+        victims = []  # chosen row by row, then preempted in one call
         for r, reason in refused:
-            if r.status == "running":  # not already taken as another row's victim
-                self._append_refused(r, reason)
+            if r.status == "running" and r not in victims:  # not another row's victim
+                self._append_refused(r, reason, victims)
+        if victims:
+            self._preempt(victims)
 
     def _took(self, r: Request, token: int):
         if not r.tokens:
@@ -424,15 +426,16 @@ class Scheduler(metrics.Intake):
         self.live.remove(r)
         self._release.append(r)
 
-    def _append_refused(self, r: Request, reason: int):
+    def _append_refused(self, r: Request, reason: int, victims: list):
+        """Victim: the youngest running request of r's tenant (any, if the pool is full)."""
         self.counters.refused(reason)
         if reason == REFUSED_SEQ_FULL:
             return self._finish(r, "table full")
-        pool = [q for q in self.live if q.status == "running" and (
+        pool = [q for q in self.live if q.status == "running" and q not in victims and (
             reason == REFUSED_POOL_FULL or q.tenant == r.tenant)]
         if len(pool) <= 1:  # alone and still refused: nothing of its own to give up
             return self._finish(r, f"append refused: {REASONS[reason]}")
-        self._preempt([max(pool, key=lambda q: q.admitted)])
+        victims.append(max(pool, key=lambda q: q.admitted))
 
     # ---- records -----------------------------------------------------------------------------
     def _record(self, *args) -> dict:

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvquota as kq
 from configs.models import get_model_config
@@ -405,3 +407,28 @@ def test_bench_model_times_the_scheduler_step_beside_the_engine(params):
     assert sched["speedup"] == pytest.approx(sched["step_ms"]["engine"] /
                                              sched["step_ms"]["scheduler"])
     assert "steps/s engine" in bench_model.describe_point(point)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=40),
+       st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=40),
+                          st.integers(0, 40)), max_size=4))
+def test_hits_unwritten_matches_its_definition(context, others):
+    """The block-prefix shortcut of `metrics.hits_unwritten` against its definition: the prompt
+    would hit (leading equal full blocks, at most (len - 1) // P of them) past another
+    prefilling request's written blocks (prefilled // P)."""
+    from kvquota.serving import metrics
+
+    p = 4
+    prefilling = [dataclasses.make_dataclass("R", ["context", "prefilled"])(c, min(n, len(c)))
+                  for c, n in others]
+
+    def defined(o):
+        n = min((len(context) - 1) // p, len(o.context) // p)
+        blocks = lambda ids: [ids[k * p:(k + 1) * p] for k in range(n)]  # noqa: E731
+        equal = 0
+        while equal < n and blocks(context)[equal] == blocks(o.context)[equal]:
+            equal += 1
+        return equal > o.prefilled // p
+
+    assert metrics.hits_unwritten(p, context, prefilling) == any(map(defined, prefilling))
