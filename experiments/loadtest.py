@@ -33,6 +33,7 @@ import time
 _T0 = time.perf_counter()  # wall_seconds: the whole process, imports included
 
 import json  # noqa: E402
+import os  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 
@@ -121,6 +122,8 @@ def define_flags():
                      lower_bound=0)
     f.DEFINE_float("prefill_tokens_per_s", 0.0, "Prefill tokens/s per device (0: from "
                    "peak_flops x mfu).", lower_bound=0)
+    f.DEFINE_integer("jobs", 0, "Worker processes the policies run in (0: one per CPU core).",
+                     lower_bound=0, upper_bound=64)
     f.DEFINE_boolean("real_check", False, "Also run the small real case (SmolLM2 on CPU).")
     f.DEFINE_boolean("real_check_only", False, "Run only the small real case (its own run "
                      "directory, loadtest_real-<key>).")
@@ -194,7 +197,8 @@ def main(argv):
     else:
         if trace is None:
             trace = kq.sim.generate_trace(tc)
-        summary = kq.sim.loadtest_io.measure(cfg, trace, FLAGS.policies, run, FLAGS.real_check)
+        summary = kq.sim.loadtest_io.measure(cfg, trace, FLAGS.policies, run, FLAGS.real_check,
+                                             jobs=FLAGS.jobs or os.cpu_count() or 1)
         summary["wall_seconds"] = time.perf_counter() - _T0
         summary = run.finish(summary, plot)
     summary["wall_seconds"] = time.perf_counter() - _T0

@@ -9,10 +9,14 @@ those files only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import multiprocessing
+import os
 import pathlib
+import shutil
 import time
 
 import numpy as np
@@ -22,7 +26,7 @@ from kvquota.sim import loadtest as lt
 from kvquota.sim.trace_io import save_trace
 from kvquota.sim.trace_io import trace_summary
 
-REQUESTS = "requests.jsonl"
+REQUESTS, POINTS = "requests.jsonl", "points.jsonl"  # as experiments/runs.py names them
 
 
 def as_dict(obj) -> dict:
@@ -50,24 +54,59 @@ def setup_figures(cfg: lt.LoadConfig) -> dict:
             "step_overhead_s": ex.step_overhead_s}
 
 
-def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False) -> dict:
+def replay_policy(cfg: lt.LoadConfig, trace, policy: str, points_path=None, ex=None):
+    """One policy's replay: (summary, request records). Step samples are appended to
+    `points_path` (JSONL) as they come. Top-level, so worker processes can run it."""
+    start = time.perf_counter()
+    points = open(points_path, "a") if points_path is not None else None
+    try:
+        on_step = None if points is None else (
+            lambda p: points.write(json.dumps({**p, "load_average_1min": os.getloadavg()[0]})
+                                   + "\n"))
+        rp = lt.Replay(cfg, trace, policy, ex=ex if ex is not None else lt.executor(cfg),
+                       on_step=on_step)
+        rp.run()
+    finally:
+        if points is not None:
+            points.close()
+    reqs = rp.request_records()
+    result = lt.summarize(rp, reqs)
+    result["drift_checks_log"] = rp.drift
+    result["wall_s"] = time.perf_counter() - start
+    return result, reqs
+
+
+def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False,
+            jobs: int = 1) -> dict:
     """Replays `trace` under each policy (a fresh state and scheduler each), writing the run
-    directory's files; returns the summary (metrics.json)."""
+    directory's files; returns the summary (metrics.json). With `jobs` > 1 the policies run in
+    that many worker processes (each compiles once); files and figures are the same as one
+    process gives, in policy order (only the load averages recorded with the points differ)."""
     out = pathlib.Path(run.path)
     save_trace(trace, out / "trace.jsonl")
-    ex = lt.executor(cfg)  # stateless between runs: one jit cache for every policy
+    parts = [out / f".points-{i}.part" for i in range(len(policies))]
+    for part in parts:
+        part.unlink(missing_ok=True)
+    if jobs > 1 and len(policies) > 1:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds XLA
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(policies)), ctx) as pool:
+            futures = [pool.submit(replay_policy, cfg, trace, p, part)
+                       for p, part in zip(policies, parts)]
+            done = [f.result() for f in futures]
+    else:
+        ex = lt.executor(cfg)  # stateless between runs: one jit cache for every policy
+        done = [replay_policy(cfg, trace, p, part, ex) for p, part in zip(policies, parts)]
     results = {}
     with open(out / REQUESTS, "w") as f:
-        for policy in policies:
-            start = time.perf_counter()
-            rp = lt.Replay(cfg, trace, policy, ex=ex, on_step=run.add_point)
-            rp.run()
-            reqs = rp.request_records()
+        for policy, (result, reqs) in zip(policies, done):
             for r in reqs:
                 f.write(json.dumps(r) + "\n")
-            results[policy] = lt.summarize(rp, reqs)
-            results[policy]["drift_checks_log"] = rp.drift
-            results[policy]["wall_s"] = time.perf_counter() - start
+            results[policy] = result
+    with open(out / POINTS, "a") as f:
+        for part in parts:
+            with open(part) as src:
+                shutil.copyfileobj(src, f)
+            part.unlink()
     summary = {"requests": len(trace.requests), "blocks": cfg.blocks,
                "setup": setup_figures(cfg), "trace_summary": trace_summary(trace),
                "slo": {"ttft_s": cfg.slo_ttft_s, "tpot_s": cfg.slo_tpot_s},
