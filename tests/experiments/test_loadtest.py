@@ -45,7 +45,7 @@ def test_json_contract(tiny):
 
 
 @pytest.mark.slow  # ~25 s: a second CLI run (the default run's budget, issue #13)
-def test_run_directory_and_an_exact_replay_of_its_trace(tiny, tmp_path):
+def test_run_directory_and_an_exact_replay_of_its_trace_in_one_process(tiny, tmp_path):
     out, runs = tiny
     run = next(runs.glob("loadtest-*"))
     for name in ("config.json", "metrics.json", "trace.jsonl", "points.jsonl",
@@ -55,7 +55,8 @@ def test_run_directory_and_an_exact_replay_of_its_trace(tiny, tmp_path):
     assert {p["policy"] for p in points} == set(POLICIES)
     reqs = [json.loads(x) for x in (run / "requests.jsonl").read_text().splitlines()]
     assert {r["policy"] for r in reqs} == set(POLICIES)
-    proc = run_cli("loadtest", *TINY, f"--trace={run / 'trace.jsonl'}", "--json",
+    # One process this time (the fixture ran the policies in one worker per core): same figures.
+    proc = run_cli("loadtest", *TINY, f"--trace={run / 'trace.jsonl'}", "--json", "--jobs=1",
                    f"--runs_dir={tmp_path}", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads(proc.stdout.strip().splitlines()[-1])
