@@ -178,6 +178,7 @@ class Replay:
                                        f"state {cfg.num_tenants} slots (--num_tenants)")
         self.cfg, self.trace, self.policy = cfg, trace, policy
         self.ex = ex if ex is not None else executor(cfg)
+        self.ex.last_slack = 0  # a shared executor's last step belongs to an earlier replay
         self.sc = self.ex.state_config
         self.vocab, self.step_clock = vocab, step_clock  # step_clock: see `now`
         self.token_bytes = self.sc.pool_bytes[0] // self.sc.block_size
