@@ -13,6 +13,7 @@ fresh state. Every cost constant is a flag and recorded in the run directory's c
 run directory (experiments/runs.py) holds the trace (trace.jsonl: replay it with --trace), one
 JSON line per step (points.jsonl) and per request (requests.jsonl), metrics.json, summary.md
 (the table) and the plots latency_cdf.png and bytes_timeline.png, drawn from those files only.
+The policies run in --jobs worker processes (default: one per CPU core), with the same files.
 The ledger drift must be 0 at every check (every event, every --drift_every steps, the end):
 otherwise the run is written and the program exits with status 1. --real_check also runs the
 small real case (`kq.sim.realcheck`: SmolLM2-135M on CPU, measured step times against the cost

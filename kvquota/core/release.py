@@ -37,7 +37,8 @@ def settle(config, state, touched, heirs, reads=()):
     of onto the stack: it keeps its cache entry (hash, salt, token ids, parent, generation and
     pages, which scrub_on_free leaves alone), loses its payer and mass, and counts as returned.
 
-    Everything is O(E + S) gathers and scatters (S heir entries): nothing sorts and nothing is NB-sized.
+    Everything is O(E + S) gathers and scatters (S: heir entries): nothing sorts and nothing is
+    NB-sized.
     Repeated ids are resolved by letting every copy write its (negative) position into the
     block's `payer`, which is overwritten anyway for freed and orphaned blocks, and keeping the
     copy that won. `reads` are earlier reads of `payer` the first write must wait for.
@@ -146,8 +147,8 @@ def settle(config, state, touched, heirs, reads=()):
 
 def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_slots=0):
     """Free the sequences `seq_rows` (i32[K], unique, INVALID = padding): one reference dropped
-    per block-table entry. `heir_rows` ((rows, cols) i32[S], the entries of live sequences disjoint
-    from `seq_rows`) are the table entries that may inherit charges.
+    per block-table entry. `heir_rows` ((rows, cols) i32[S]: table entries of live sequences
+    disjoint from `seq_rows`) are the entries that may inherit charges.
 
     With `unpin_tenant` (a traced i32 scalar) and `unpin_slots` > 0 (static: an upper bound on that
     tenant's pinned blocks), also drops every pin on blocks charged to that tenant.
@@ -156,7 +157,7 @@ def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_
     valid = seq_rows >= 0
     rc = clip(seq_rows)
     ten = jnp.where(valid, state.seqs.seq_tenant[rc], INVALID)
-    entries = materialize(jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID))  # [K, MB]
+    entries = materialize(jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID))  # K, MB
     live = entries >= 0
     lens = jnp.where(valid, state.seqs.seq_lens[rc], 0)
     heirs = heir_inputs(state, heir_rows)
