@@ -332,22 +332,22 @@ class Ledger:
 
     def summary(self, tenant: Optional[int] = None) -> dict:
         """Plain-Python numbers for printing or JSON."""
-        self = jax.device_get(self)  # one host read, then NumPy indexing
-        rows = range(len(np.asarray(self.used_tokens))) if tenant is None else [tenant]
+        h = jax.device_get(self)  # one host read, then NumPy indexing
+        rows = range(len(np.asarray(h.used_tokens))) if tenant is None else [tenant]
         out = {}
         for t in rows:
             out[t] = {
-                "used_tokens": int(self.used_tokens[t]),
-                "token_quota": int(self.token_quota[t]),
-                "byte_quota": int(self.byte_quota[t]),
-                "charged_bytes": int(self.charged_bytes[t]),
-                "device_bytes": int(self.device_bytes[t]),
-                "host_bytes": int(self.host_bytes[t]),
-                "pinned_bytes": int(self.pinned_bytes[t]),
-                "shared_bytes": int(self.shared_bytes[t]),
-                "reclaimable_bytes": int(self.reclaimable_bytes[t]),
-                "fragmentation_tokens": int(self.fragmentation[t]),
-                "preemptions": int(self.preemptions[t]),
-                "growing": bool(self.growing[t]),
+                "used_tokens": int(h.used_tokens[t]),
+                "token_quota": int(h.token_quota[t]),
+                "byte_quota": int(h.byte_quota[t]),
+                "charged_bytes": int(h.charged_bytes[t]),
+                "device_bytes": int(h.device_bytes[t]),
+                "host_bytes": int(h.host_bytes[t]),
+                "pinned_bytes": int(h.pinned_bytes[t]),
+                "shared_bytes": int(h.shared_bytes[t]),
+                "reclaimable_bytes": int(h.reclaimable_bytes[t]),
+                "fragmentation_tokens": int(h.fragmentation[t]),
+                "preemptions": int(h.preemptions[t]),
+                "growing": bool(h.growing[t]),
             }
         return out

@@ -385,10 +385,10 @@ class Scheduler(metrics.Intake):
 
     # ---- the executor step -------------------------------------------------------------------
     def _absorb(self, out, dec, pre):
-        n, m, appended = len(dec), self.m, out.appended[: len(dec)]
+        rows, m, appended = len(dec), self.m, out.appended[: len(dec)]
         grown = np.asarray([r.seq for r in dec], np.int64)[appended]  # unique slots
         m.length[grown], m.position[grown] = m.length[grown] + 1, m.position[grown] + 1
-        tokens, reasons, refused = out.dec_next[:n].tolist(), out.reason[:n].tolist(), []
+        tokens, reasons, refused = out.dec_next[:rows].tolist(), out.reason[:rows].tolist(), []
         for i, ok in enumerate(appended.tolist()):
             if ok:
                 self._took(dec[i], tokens[i])
