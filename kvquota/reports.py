@@ -33,6 +33,9 @@ class AdmitReport:
     cached_tokens: jax.Array  # i32[B]  prompt tokens whose K/V already sit in hit blocks
     hit_blocks: jax.Array  # i32[B]  blocks taken by reference from the prefix cache
     new_blocks: jax.Array  # i32[B]  blocks allocated from pool 0
+    # i32[B]  pool-0 blocks the row needed (new, plus cold hits it would revive), refused rows
+    # too: what a quota-refused row waits for (the scheduler retries once that much is free)
+    needed_blocks: jax.Array
 
     def reasons(self) -> list[str]:
         return [REASONS[int(r)] for r in np.asarray(self.reason)]

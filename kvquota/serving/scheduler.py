@@ -25,20 +25,19 @@ import numpy as np
 
 from kvquota.allocator import Allocator
 from kvquota.codes import (FATE_COMPRESSED, FATE_EVICTED, FATE_PREEMPTED, FATE_RELEASED,
-                           FATE_SUSPENDED, INT32_MAX, REASONS, REFUSED_BYTE_QUOTA,
-                           REFUSED_GROWING, REFUSED_POOL_FULL, REFUSED_SEQ_FULL,
-                           REFUSED_TOKEN_QUOTA, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING,
-                           SEQ_SUSPENDED)
+                           FATE_SUSPENDED, INT32_MAX, OK, REASONS, REFUSED_BYTE_QUOTA,
+                           REFUSED_POOL_FULL, REFUSED_SEQ_FULL, SEQ_IDLE, SEQ_PREEMPTED,
+                           SEQ_RUNNING, SEQ_SUSPENDED)
 from kvquota.errors import (InvalidArgumentError, KVQuotaError, PoolFullError,
                             QuotaExceededError)
 from kvquota.reclaim.plan import get_reclaim_policy
 from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
-from kvquota.serving.executors import HostMirror, bucket, compose_step
+from kvquota.serving.executors import HostMirror, compose_step
 from kvquota.serving.metrics import Event, Request
+from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView, admit_call
 
 INF = float("inf")
-_QUOTA_REFUSALS = (REFUSED_TOKEN_QUOTA, REFUSED_BYTE_QUOTA, REFUSED_GROWING)
 _ROOMY = ("free", "preempt", "apply_plan", "set_quota", "register_tenant")  # may make room
 
 
@@ -82,6 +81,7 @@ class Scheduler(metrics.Intake):
         # scheduler jumps to the next arrival (or to `wake_s`: the caller's next appointment).
         self.clock, self.wake_s, self._due = 0.0, INF, (INT32_MAX, INF)
         self.m = HostMirror(self.state, self.config if executor.cost_model else None)
+        self.quota = QuotaView(self.config)
 
     # ---- tenants and requests ----------------------------------------------------------------
     def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
@@ -140,6 +140,7 @@ class Scheduler(metrics.Intake):
             self.state, out = self.executor.step(self.state, batch)
             self.clock += out.seconds
             self._progress = True
+            self.quota.stepped(out.charged, out.used_tokens)
             self._absorb(out, dec, pre)
         charged = out.charged if out is not None and not self._dirty else self._read(
             self.state.tenants.charged_blocks)
@@ -150,6 +151,7 @@ class Scheduler(metrics.Intake):
     def _op(self, name: str, *args, **kwargs):
         """One facade call on the state, donated; returns its report (counted per step)."""
         self.facade_calls += 1
+        self.quota.changed(name)
         if name in _ROOMY:
             self.parked.clear()
         self.state, report = getattr(self.alloc, name)(self.state, *args, donate=True, **kwargs)
@@ -312,13 +314,14 @@ class Scheduler(metrics.Intake):
     def _admit(self):
         """One admit call for up to max_admit queued requests: per-tenant FIFO (resumes and a
         session's next turn, whose KV is held, at the front), tenants interleaved by (those
-        first, arrival, id). A tenant refused stays parked until something frees room."""
+        first, arrival, id). A tenant refused stays parked until something frees room, and a
+        request refused for quota waits until its tenant has room for what it needed."""
         heads = sorted((r for q in self.queues.values() for r in list(q)[: self.max_admit]),
                        key=lambda r: (not (r.resuming or r.turn), r.arrival, r.id))
         rows, blocked = [], set(self.parked)
         prefilling = [o for o in self.live if o.status == "prefill"]
         for r in heads:
-            if len(rows) == self.max_admit or r.tenant in blocked:
+            if len(rows) == self.max_admit or r.tenant in blocked or self.quota.waits(self, r):
                 continue
             g = self.tenants[r.tenant]["group"]  # same salt: same tenant or share group
             if metrics.hits_unwritten(self.config.block_size, r.context, [
@@ -334,20 +337,15 @@ class Scheduler(metrics.Intake):
             rows.append(r)
         if not rows:
             return
-        c, b = self.config, bucket(len(rows), self.max_admit, floor=4)  # rows padded: 4..max_admit
-        ten, lens = np.full(b, INVALID, np.int32), np.zeros(b, np.int32)
-        tok = np.zeros((b, bucket(max(len(r.context) for r in rows), c.max_tokens_per_seq)),
-                       np.int32)
-        for i, r in enumerate(rows):
-            ten[i], lens[i], tok[i, : len(r.context)] = r.tenant, len(r.context), r.context
-        rep = self._op("admit", ten, tok, lens)
-        rep, idle = self._read(rep), []
+        rep, idle = admit_call(self, rows), []
         for i, r in enumerate(rows):
             if r.session is not None and r.session.idle_seq != INVALID:
                 idle.append(r.session)  # its IDLE turn goes: hits taken, or making way
             if not rep.admitted[i]:
                 self._admit_refused(r, int(rep.reason[i]))
+                self.quota.outcome(r, int(rep.reason[i]), int(rep.needed_blocks[i]))
                 continue
+            self.quota.outcome(r, OK, 0)
             q, n, self._progress = int(rep.seq_id[i]), len(r.context), True
             self.queues[r.tenant].remove(r)
             r.seq, r.status, r.base = q, "prefill", len(r.tokens)
@@ -378,7 +376,7 @@ class Scheduler(metrics.Intake):
         self._progress = True  # the next step tries the tenants not parked
         # (quota refusals wait on the tenant's own holdings, pool or slots on anyone's; a
         # session's own IDLE turn counts: it is freed to make way first)
-        if self._hopeless(r, reason in _QUOTA_REFUSALS):
+        if self._hopeless(r, reason in QUOTA_REFUSALS):
             self.queues[r.tenant].remove(r)
             self.parked.discard(r.tenant)  # its next request may fit
             self._refuse(r, name)
