@@ -89,6 +89,19 @@ def _window(config: StateConfig, k: int) -> int:
     return min(config.num_blocks, 4 * k + 1024)
 
 
+def _compact_if(config: StateConfig, when, cold_at, ring, head, clock, count):
+    """`_compact` when `when` (bool[]), else the arrays as they are: (cold_at, ring, head).
+
+    A loop of zero or one trip, not a `lax.cond`: XLA:CPU copies [N_0]-sized operands that a
+    conditional's branch passes through, which cost a few MB of copies on every allocation."""
+    def body(c):
+        return (c[0] + 1,) + _compact(config, c[1], c[2], clock, count)
+
+    _, cold_at, ring, head = lax.while_loop(lambda c: c[0] < when.astype(jnp.int32), body,
+                                            (jnp.int32(0), cold_at, ring, head))
+    return cold_at, ring, head
+
+
 def oldest(config: StateConfig, state: KVState, need, k: int):
     """The `need` (i32[] <= min(k, cold_count)) least recently cold blocks, oldest first:
     (ids i32[k], INVALID past `need`; the state with the ring's head moved past them).
@@ -96,33 +109,28 @@ def oldest(config: StateConfig, state: KVState, need, k: int):
     The ring holds cold blocks in stamp order from `cold_head` to `cold_clock`; revived blocks
     leave holes (their `cold_at` no longer matches). A window of the oldest entries is
     scanned, so a pop costs O(k) in the usual case, not O(pool); only when the window holds
-    fewer than `need` live entries is the ring compacted first (one sort)."""
+    fewer than `need` live entries is the ring compacted first (one sort), after which its
+    first `need` entries are live."""
     n0 = config.num_blocks
     w = _window(config, k)
     f = state.free
-    slots = jnp.arange(k, dtype=jnp.int32)
-    t = f.cold_head + jnp.arange(w, dtype=jnp.int32)
-    cand = f.cold_ring[t % n0]
-    live = (t < f.cold_clock) & (cand >= 0) & (state.blocks.cold_at[clip(cand)] == t)
+    t = jnp.arange(w, dtype=jnp.int32)
 
-    def scan(st):
-        li = live.astype(jnp.int32)
-        rank = jnp.cumsum(li) - li
-        took = live & (rank < need)
-        ids = jnp.full((k,), INVALID, jnp.int32).at[jnp.where(took, rank, k)].set(
-            cand, mode="drop")
-        last = jnp.max(jnp.where(took, jnp.arange(w, dtype=jnp.int32), -1))
-        return ids, st.update(cold_head=st.free.cold_head + last + 1)
+    def window(cold_at, ring, head):
+        cand = ring[(head + t) % n0]
+        return cand, (head + t < f.cold_clock) & (cand >= 0) & (cold_at[clip(cand)] == head + t)
 
-    def compacted(st):
-        cold_at, ring, head = _compact(config, st.blocks.cold_at, st.free.cold_ring,
-                                       st.free.cold_clock, st.free.cold_count)
-        ids = jnp.where(slots < need, ring[(head + slots) % n0], INVALID)
-        return ids, st.update(cold_at=cold_at, cold_ring=ring, cold_head=head + need)
-
-    enough = live.sum() >= need
-    return lax.cond(need <= 0, lambda st: (jnp.full((k,), INVALID, jnp.int32), st),
-                    lambda st: lax.cond(enough, scan, compacted, st), state)
+    _, live = window(state.blocks.cold_at, f.cold_ring, f.cold_head)
+    cold_at, ring, head = _compact_if(config, (need > 0) & (live.sum() < need),
+                                      state.blocks.cold_at, f.cold_ring, f.cold_head,
+                                      f.cold_clock, f.cold_count)
+    cand, live = window(cold_at, ring, head)
+    li = live.astype(jnp.int32)
+    rank = jnp.cumsum(li) - li
+    took = live & (rank < need)
+    ids = jnp.full((k,), INVALID, jnp.int32).at[jnp.where(took, rank, k)].set(cand, mode="drop")
+    last = jnp.max(jnp.where(took, t, -1))
+    return ids, state.update(cold_at=cold_at, cold_ring=ring, cold_head=head + last + 1)
 
 
 def take_pool0(config: StateConfig, state: KVState, take, rank=None):
@@ -150,17 +158,13 @@ def take_pool0(config: StateConfig, state: KVState, take, rank=None):
     k = min(int(np.prod(take.shape)), config.num_blocks)
     n_cold = n - n_stack
 
-    def reuse(st):
-        first, st = oldest(config, st, n_cold, k)
-        j = rank - cnt
-        cold_ids = jnp.where(take & (j >= 0), first[jnp.clip(j, 0, k - 1)], INVALID)
-        st = leave_cache(config, st, cold_ids.ravel())
-        return cold_ids, st.update(cold_count=st.free.cold_count - n_cold)
-
-    def stack_only(st):
-        return jnp.full(take.shape, INVALID, jnp.int32), st
-
-    cold_ids, state = lax.cond(n_cold > 0, reuse, stack_only, state)
+    # Unconditional (a lax.cond would copy [N_0]-sized arrays, see `_compact_if`): with no
+    # cold block to take, `oldest` takes none and `leave_cache` gets only INVALID ids.
+    first, state = oldest(config, state, n_cold, k)
+    j = rank - cnt
+    cold_ids = jnp.where(take & (j >= 0), first[jnp.clip(j, 0, k - 1)], INVALID)
+    state = leave_cache(config, state, cold_ids.ravel())
+    state = state.update(cold_count=state.free.cold_count - n_cold)
     return jnp.where(stacked, ids, cold_ids), n, state
 
 
@@ -176,10 +180,9 @@ def stamp_cold(config: StateConfig, state: KVState, blocks, cold):
     ci = cold.astype(jnp.int32)
     n = ci.sum().astype(jnp.int32)
     later = n - jnp.cumsum(ci)  # cold entries after each entry
-    cold_at, ring, head = lax.cond(
-        f.cold_clock + n - f.cold_head > n0,
-        lambda: _compact(config, state.blocks.cold_at, f.cold_ring, f.cold_clock, f.cold_count),
-        lambda: (state.blocks.cold_at, f.cold_ring, f.cold_head))
+    cold_at, ring, head = _compact_if(config, f.cold_clock + n - f.cold_head > n0,
+                                      state.blocks.cold_at, f.cold_ring, f.cold_head,
+                                      f.cold_clock, f.cold_count)
     stamp = f.cold_clock + later
     return dict(
         cold_at=cold_at.at[oob(blocks, cold, nb)].set(stamp, mode="drop"),

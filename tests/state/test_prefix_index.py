@@ -365,10 +365,10 @@ def test_checker_catches_a_wrong_slot_of():
 @pytest.mark.parametrize("cold", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["cold-off", "cold-on"])
 def test_donated_cores_update_the_index_in_place(cold):
-    """No whole-array copy of the index's slots ([2H]) in the compiled donated admit, append,
-    free and drop_cold, nor (cold blocks off) of any per-block array ([NB]): a per-op O(pool)
-    copy would undo the index's point. (With cold blocks on, the cold-reuse branches copy
-    [N_0]-sized LRU arrays, as they did before the index: not checked here.)"""
+    """No whole-array copy of the index's slots ([2H]) nor of any per-block or LRU array ([NB],
+    [N_0]) in the compiled donated admit, append, free and drop_cold, with cold blocks off or
+    on: a per-op O(pool) copy would undo the index's point. (The cold-reuse path used to copy
+    its LRU arrays through `lax.cond` branches on every allocation.)"""
     from kvquota import core
 
     config = StateConfig(TINY_MODEL, num_blocks=4093, block_size=4, max_seqs=37,
@@ -384,7 +384,7 @@ def test_donated_cores_update_the_index_in_place(cold):
         "free": ("drop", (i32([0, 1]), heirs, None, 0)),
         "drop_cold": ("drop_cold", (np.int32(2), 2)),
     }
-    sizes = [2 * home_count(config)] + ([] if cold else [config.total_blocks])
+    sizes = sorted({2 * home_count(config), config.total_blocks, config.num_blocks})
     big = re.compile(r"= \w+\[(%s)[\],].*\bcopy\(" % "|".join(map(str, sizes)))
     for name, (core_name, args) in calls.items():
         if cold is False and name == "drop_cold":
