@@ -33,9 +33,10 @@ class AdmitReport:
     cached_tokens: jax.Array  # i32[B]  prompt tokens whose K/V already sit in hit blocks
     hit_blocks: jax.Array  # i32[B]  blocks taken by reference from the prefix cache
     new_blocks: jax.Array  # i32[B]  blocks allocated from pool 0
-    # i32[B]  pool-0 blocks the row needed (new, plus cold hits it would revive), refused rows
-    # too: what a quota-refused row waits for (the scheduler retries once that much is free)
-    needed_blocks: jax.Array
+    # i32[B]  blocks of the prompt the prefix cache did not hold (hot or cold), refused rows
+    # too: the fewest new blocks the row can need while the cache keeps them (cold hits it
+    # revives are charged on top), so what a quota-refused row waits for
+    missing_blocks: jax.Array
 
     def reasons(self) -> list[str]:
         return [REASONS[int(r)] for r in np.asarray(self.reason)]

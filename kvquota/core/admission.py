@@ -32,8 +32,7 @@ from kvquota.state import KVState, StateConfig
 
 def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, seq_full,
             revive=None):
-    """Sequential admission decisions over a batch: (ok bool[B], reason i32[B], need i32[B]:
-    the pool-0 blocks each row needed, revived cold hits included, refused rows too).
+    """Sequential admission decisions over a batch: (ok bool[B], reason i32[B]).
 
     Row i is checked against the ledger as left by the accepted rows before it, in this order:
     padding, table full, token quota, byte quota, pool 0 allocatable blocks (stack + cold),
@@ -78,7 +77,7 @@ def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, s
         )
         if revive is not None:
             new_carry = new_carry + (carry[4].at[i].set(ok),)
-        return new_carry, (ok, reason.astype(jnp.int32), nblk)
+        return new_carry, (ok, reason.astype(jnp.int32))
 
     init = (allocatable(config, state)[0], state.tenants.used_tokens,
             charged_units(config, state), slots0)
@@ -86,8 +85,8 @@ def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, s
     if revive is not None:
         init = init + (jnp.zeros((b,), bool),)
         xs = xs + (revive[0], revive[1], jnp.arange(b, dtype=jnp.int32))
-    _, (ok, reason, need) = lax.scan(step, init, xs)
-    return ok, reason, jnp.where(valid, need, 0)
+    _, (ok, reason) = lax.scan(step, init, xs)
+    return ok, reason
 
 
 def _free_slots(state, ok):
@@ -124,7 +123,7 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
     nnew = nblk - nhit
 
     revive = revive_inputs(state, hits) if config.keep_cold_blocks else None
-    ok, reason, need = _decide(config, state, tenants, valid, lengths, nnew, True,
+    ok, reason = _decide(config, state, tenants, valid, lengths, nnew, True,
                          jnp.zeros((b,), bool), revive)
     slot = _free_slots(state, ok)
     # Every per-entry update works on the prompt's m block columns (columns >= m are never hit
@@ -197,7 +196,7 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
         cached_tokens=jnp.where(ok, nhit * p, 0),
         hit_blocks=jnp.where(ok, nhit, 0),
         new_blocks=jnp.where(ok, nnew, 0),
-        needed_blocks=need,
+        missing_blocks=nnew,
     )
     return index_blocks(config, state, new_ids.ravel()), report  # the new full blocks
 
@@ -215,8 +214,8 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
     off = length % p
     need_new = (off == 0) & valid
     seq_full = valid & (k >= mb)
-    ok, reason, _ = _decide(config, state, t, valid, jnp.ones_like(seq_ids),
-                            need_new.astype(jnp.int32), False, seq_full)
+    ok, reason = _decide(config, state, t, valid, jnp.ones_like(seq_ids), need_new.astype(jnp.int32),
+                         False, seq_full)
     alloc = ok & need_new
     newb, _, state = take_pool0(config, state, alloc)
     kc = jnp.minimum(k, mb - 1)
@@ -284,8 +283,8 @@ def fork(config: StateConfig, state: KVState, seq_ids):
     length = jnp.where(valid, state.seqs.seq_lens[sc], 0)
     nblk = (length + p - 1) // p
     partial = valid & (length % p != 0)
-    ok, reason, _ = _decide(config, state, t, valid, length, partial.astype(jnp.int32), True,
-                            jnp.zeros((b,), bool))
+    ok, reason = _decide(config, state, t, valid, length, partial.astype(jnp.int32), True,
+                         jnp.zeros((b,), bool))
     slot = _free_slots(state, ok)
     alloc = ok & partial
     newb, _, state = take_pool0(config, state, alloc)

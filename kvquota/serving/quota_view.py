@@ -1,16 +1,17 @@
 """Admission calls and quota waits: a request refused for its tenant's quota is tried again only
-once its tenant has room for what it needed.
+once its tenant has room for the least it can need.
 
 A refused admission row costs the device as much as an accepted one (its prompt is hashed and
 looked up before the quota check), and a tenant cut far below its holdings used to be tried at
 every step that freed anything, each time with all its queue heads. Now each quota-refused row
-leaves what it needed: its prompt's tokens (against token_quota - used_tokens) and the pool-0
-blocks the device counted for it (`AdmitReport.needed_blocks`: new blocks plus cold hits it
-would revive, in units against byte_quota - charged). It waits until its tenant's room covers
-both, as a host-side scheduler that knows its prefix cache would (vLLM checks
-`can_allocate` before it schedules a request). The need is as of the refusal: if the prefix
-cache gains the request's blocks meanwhile it needs less, and may wait longer than it must; if
-it loses them, the next try is refused again and records the new need.
+leaves a lower bound of its need: its prompt's tokens (against token_quota - used_tokens) and
+the blocks of its prompt the prefix cache did not hold (`AdmitReport.missing_blocks`, in units
+against byte_quota - charged). Until the tenant's room covers both, the row would be refused
+again for sure unless the cache gains its blocks meanwhile (another request writes the same
+prefix), so it is not tried. Once it does, it is tried as before; if it must also revive cold
+hits it has no room for, it is refused again and waits again. This is the check a host-side
+scheduler makes before it schedules a request (vLLM's `can_allocate`), with the bound as of the
+last try instead of a host copy of the cache.
 
 `QuotaView` keeps the tenants' quotas and use on the host, exact while no op ran since it was
 read: the scheduler marks it stale on each facade call (`changed`), refreshes the use from each
@@ -32,7 +33,7 @@ QUOTA_REFUSALS = (REFUSED_TOKEN_QUOTA, REFUSED_BYTE_QUOTA, REFUSED_GROWING)
 
 class QuotaView:
     """Per tenant (host NumPy, None where stale): token_quota, byte_quota (units), used_tokens
-    and device units charged; `needs`: each waiting request's (tokens, units) needed."""
+    and device units charged; `needs`: each waiting request's (tokens, units) it needs at least."""
 
     def __init__(self, config):
         self.block_units = config.pool_units[0]
@@ -80,10 +81,11 @@ class QuotaView:
         (token_quota, byte_quota), (used, charged), t = self.quotas, self.usage, r.tenant
         return need[0] > token_quota[t] - used[t] or need[1] > byte_quota[t] - charged[t]
 
-    def outcome(self, r, reason: int, needed_blocks: int):
-        """After an admit call: a queued request refused for quota waits for what it needed."""
+    def outcome(self, r, reason: int, missing_blocks: int):
+        """After an admit call: a queued request refused for quota waits for room for its
+        tokens and its missing blocks."""
         if reason in QUOTA_REFUSALS and r.status == "queued":
-            self.needs[r] = (len(r.context), needed_blocks * self.block_units)
+            self.needs[r] = (len(r.context), missing_blocks * self.block_units)
         else:
             self.needs.pop(r, None)
 

@@ -315,7 +315,7 @@ class Scheduler(metrics.Intake):
         """One admit call for up to max_admit queued requests: per-tenant FIFO (resumes and a
         session's next turn, whose KV is held, at the front), tenants interleaved by (those
         first, arrival, id). A tenant refused stays parked until something frees room, and a
-        request refused for quota waits until its tenant has room for what it needed."""
+        request refused for quota waits until its tenant has room for the least it needs."""
         heads = sorted((r for q in self.queues.values() for r in list(q)[: self.max_admit]),
                        key=lambda r: (not (r.resuming or r.turn), r.arrival, r.id))
         rows, blocked = [], set(self.parked)
@@ -343,7 +343,7 @@ class Scheduler(metrics.Intake):
                 idle.append(r.session)  # its IDLE turn goes: hits taken, or making way
             if not rep.admitted[i]:
                 self._admit_refused(r, int(rep.reason[i]))
-                self.quota.outcome(r, int(rep.reason[i]), int(rep.needed_blocks[i]))
+                self.quota.outcome(r, int(rep.reason[i]), int(rep.missing_blocks[i]))
                 continue
             self.quota.outcome(r, OK, 0)
             q, n, self._progress = int(rep.seq_id[i]), len(r.context), True

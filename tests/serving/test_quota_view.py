@@ -1,7 +1,7 @@
-"""Quota waits (kvquota.serving.quota_view): the device's `needed_blocks` is what a row needs
-(what an admitted row was charged; for a refused one, the room that admits it alone, one block
-less refusing it), and the scheduler tries a quota-refused request again only once its tenant
-has that room, instead of at every step that frees anything.
+"""Quota waits (kvquota.serving.quota_view): the device's `missing_blocks` is the least a row
+needs (what an admitted row got as new blocks; a refused one is refused with one block less of
+room, and admitted with room for all its blocks), and the scheduler tries a quota-refused
+request again only once its tenant has that room, instead of at every step that frees anything.
 """
 
 import jax
@@ -45,13 +45,13 @@ def _tenants(state):
 
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(st.data())
-def test_needed_blocks_is_what_each_row_needs(data):
+def test_missing_blocks_is_the_least_each_row_needs(data):
     """Random quotas, holdings (some freed into cold cache blocks), grow-no-admit flags and
-    batches. Admitted rows: each tenant is charged the sum of its rows' needed_blocks. A row
-    refused for quota with no admitted row before it in the batch, tried alone on the state
-    it was decided on with its tenant's quotas at exactly used + its tokens and charged + its
-    needed blocks, is admitted (unless the pool is short); with one block less, refused over
-    byte quota."""
+    batches. Admitted rows: missing_blocks == new_blocks, and each tenant is charged at least
+    their sum (cold hits revived on top). A row refused for quota with no admitted row before
+    it in the batch, tried alone on the state it was decided on with its tenant's quotas at
+    used + its tokens and charged + missing - 1 blocks, is refused over byte quota; with room
+    for every block of its prompt, admitted (unless the pool is short)."""
     state = ALLOC.init()
     for t in range(3):
         state, _ = ALLOC.register_tenant(
@@ -75,25 +75,27 @@ def test_needed_blocks_is_what_each_row_needs(data):
     kq.check_invariants(CONFIG, after)
     rep = jax.device_get(rep)
     (used, charged0), (_, charged) = _tenants(state), _tenants(after)
+    ok = np.asarray(rep.admitted)
+    assert (rep.missing_blocks[ok] == rep.new_blocks[ok]).all()
     for t in range(3):
-        mine = [i for i, (u, _) in enumerate(rows) if u == t and rep.admitted[i]]
-        assert charged[t] - charged0[t] == sum(int(rep.needed_blocks[i]) for i in mine)
-    first_ok = min(np.flatnonzero(rep.admitted), default=ROWS)
+        mine = [i for i, (u, _) in enumerate(rows) if u == t and ok[i]]
+        assert charged[t] - charged0[t] >= sum(int(rep.missing_blocks[i]) for i in mine)
+    first_ok = min(np.flatnonzero(ok), default=ROWS)
     host = jax.device_get(state)
     room = int(host.free.free_count[0]) + int(host.free.cold_count)
     slots = int((np.asarray(host.seqs.seq_status) == SEQ_FREE).sum())
     for i, (t, ids) in enumerate(rows):
         if rep.reason[i] not in QUOTA_REFUSALS or i > first_ok:
             continue  # (after an admitted row the cache and use differ from what row i saw)
-        need = int(rep.needed_blocks[i])
-        for blocks, want in ((need, OK), (need - 1, REFUSED_BYTE_QUOTA)):
-            if blocks < 0 or want == OK and (need > room or not slots):
+        least, most = int(rep.missing_blocks[i]), -(-len(ids) // CONFIG.block_size)
+        for blocks, want in ((least - 1, REFUSED_BYTE_QUOTA), (most, OK)):
+            if blocks < 0 or want == OK and (most > room or not slots):
                 continue  # the pool, not the quota, would refuse it
             trial, _ = ALLOC.set_quota(state, t, token_quota=int(used[t]) + len(ids),
                                        byte_quota=(int(charged0[t]) + blocks) * BLOCK)
             trial, one = ALLOC.admit(trial, *_batch([(t, ids)]))
             kq.check_invariants(CONFIG, trial)
-            assert int(one.reason[0]) == want, (i, t, ids, need, blocks)
+            assert int(one.reason[0]) == want, (i, t, ids, least, blocks)
 
 
 def test_a_quota_refused_request_waits_for_the_room_it_needs(monkeypatch):
