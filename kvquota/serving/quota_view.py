@@ -72,10 +72,12 @@ class QuotaView:
             self.usage = self._usage(*got["usage"])
         return 1
 
-    def waits(self, sched, r) -> bool:
-        """Is request r waiting for room its tenant does not have yet?"""
+    def waits(self, sched, r, holders) -> bool:
+        """Is request r waiting for room its tenant does not have yet? Not while its tenant is
+        not in `holders` (holds nothing that will be freed): then r is tried, and refused again
+        the scheduler can find it hopeless and refuse it for good, as before the waits."""
         need = self.needs.get(r)
-        if need is None:
+        if need is None or r.tenant not in holders:
             return False
         sched.syncs += self.read(sched.state)
         (token_quota, byte_quota), (used, charged), t = self.quotas, self.usage, r.tenant
@@ -88,6 +90,13 @@ class QuotaView:
             self.needs[r] = (len(r.context), missing_blocks * self.block_units)
         else:
             self.needs.pop(r, None)
+
+
+def device_holders(live, idle_sessions, but=None) -> set:
+    """Tenants with something on the device that will be freed: running or prefilling requests
+    (other than `but`) and IDLE session turns; suspended requests sit on host."""
+    return {o.tenant for o in (*live, *idle_sessions)
+            if o is not but and getattr(o, "status", "") != "suspended"}
 
 
 def admit_call(sched, rows):

@@ -35,7 +35,7 @@ from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
 from kvquota.serving.executors import HostMirror, compose_step
 from kvquota.serving.metrics import Event, Request
-from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView, admit_call
+from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView, admit_call, device_holders
 
 INF = float("inf")
 _ROOMY = ("free", "preempt", "apply_plan", "set_quota", "register_tenant")  # may make room
@@ -307,9 +307,8 @@ class Scheduler(metrics.Intake):
         if any(e.tenant == r.tenant or e.kind in ("quota_cut", "lease_expiry")
                for e in self.events[self._ev:]):
             return False
-        return not any(o is not r and getattr(o, "status", "") != "suspended" and
-                       (not mine or o.tenant == r.tenant)
-                       for o in (*self.live, *self.idle_of.values()))
+        holders = device_holders(self.live, self.idle_of.values(), but=r)
+        return not (r.tenant in holders if mine else holders)
 
     def _admit(self):
         """One admit call for up to max_admit queued requests: per-tenant FIFO (resumes and a
@@ -320,8 +319,10 @@ class Scheduler(metrics.Intake):
                        key=lambda r: (not (r.resuming or r.turn), r.arrival, r.id))
         rows, blocked = [], set(self.parked)
         prefilling = [o for o in self.live if o.status == "prefill"]
+        holders = device_holders(self.live, self.idle_of.values()) if self.quota.needs else ()
         for r in heads:
-            if len(rows) == self.max_admit or r.tenant in blocked or self.quota.waits(self, r):
+            if len(rows) == self.max_admit or r.tenant in blocked or \
+                    self.quota.waits(self, r, holders):
                 continue
             g = self.tenants[r.tenant]["group"]  # same salt: same tenant or share group
             if metrics.hits_unwritten(self.config.block_size, r.context, [

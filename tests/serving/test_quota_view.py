@@ -130,3 +130,23 @@ def test_a_quota_refused_request_waits_for_the_room_it_needs(monkeypatch):
     assert long_.finished_step == admitted_at - 1  # freed at the start of the admitting step
     s.run()
     assert all(r.status == "finished" for r in (long_, short, third))
+
+
+def test_a_request_that_can_never_fit_is_still_refused_for_good(monkeypatch):
+    """A request larger than its tenant's whole quota waits while the tenant's other request
+    runs; once the tenant holds nothing it is tried again, found hopeless (no event to come)
+    and refused for good, so the run ends with it refused, not queued forever."""
+    ex = CostModelExecutor(CONFIG, prefill_rows=2, chunk_size=16)
+    s = Scheduler(ex, token_budget=64, max_admit=4, drift_every=1, check_every=1)
+    s.register_tenant(0, token_quota=10**6, byte_quota=6 * BLOCK)
+    running = s.submit(Request(0, [7] * 9, 4))
+    s.step()
+    big = s.submit(Request(0, [8] * 30, 2))  # 8 blocks > the whole quota of 6
+    tries = []
+    real = kq.Allocator.admit
+    monkeypatch.setattr(kq.Allocator, "admit", lambda self, *a, **k: tries.append(s.t) or
+                        real(self, *a, **k))
+    s.run()
+    assert running.status == "finished" and big.status == "refused"
+    assert big.finish == "over byte quota" and big.refusals == {"over byte quota": 2}
+    assert len(tries) == 2 and tries[1] == running.finished_step + 1  # waited, then tried
