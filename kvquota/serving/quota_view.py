@@ -1,22 +1,30 @@
-"""Admission calls and quota waits: a request refused for its tenant's quota is tried again only
-once its tenant has room for the least it can need.
+"""Admission calls without the rows the device would surely refuse.
 
 A refused admission row costs the device as much as an accepted one (its prompt is hashed and
-looked up before the quota check), and a tenant cut far below its holdings used to be tried at
-every step that freed anything, each time with all its queue heads. Now each quota-refused row
-leaves a lower bound of its need: its prompt's tokens (against token_quota - used_tokens) and
-the blocks of its prompt the prefix cache did not hold (`AdmitReport.missing_blocks`, in units
-against byte_quota - charged). Until the tenant's room covers both, the row would be refused
-again for sure unless the cache gains its blocks meanwhile (another request writes the same
-prefix), so it is not tried. Once it does, it is tried as before; if it must also revive cold
-hits it has no room for, it is refused again and waits again. This is the check a host-side
-scheduler makes before it schedules a request (vLLM's `can_allocate`), with the bound as of the
-last try instead of a host copy of the cache.
+looked up before the quota check), and a tenant cut far below its holdings is tried again at
+every step that frees anything, each time with all its queue heads. `admit_batch` keeps the
+scheduler's rows and their order, but sends to the device only the rows whose refusal is not
+certain; the others get, on the host, the refusal and reason `core.admission._decide` would
+give. A row is certain to be refused, in `_decide`'s order, when
+
+  its prompt's n tokens > token_quota - used_tokens          -> over token quota, else
+  the blocks it must allocate, at least `least` of them,
+  need more units than byte_quota - charged                  -> growing past a cut (the
+                                                                grow-no-admit flag) or over
+                                                                byte quota,
+
+with `least` the blocks of its prompt that the prefix cache did not hold at its last try
+(`AdmitReport.missing_blocks`; 1 before any try: at most (n - 1) // P full blocks can hit). A
+row's tenant has used and been charged exactly what the view says only while no earlier row of
+the batch of the same tenant went to the device (it might be accepted), so after such a row
+the tenant's rows all go to the device. The one case where a row called certain might have been
+accepted: the prefix cache gained the row's blocks since its last try (another request wrote
+the same prefix), so it now misses fewer than `least`.
 
 `QuotaView` keeps the tenants' quotas and use on the host, exact while no op ran since it was
 read: the scheduler marks it stale on each facade call (`changed`), refreshes the use from each
-executor step's readback (`stepped`), and it re-reads the state only when a waiting request is
-checked while stale, so a pure decode step still makes one sync.
+executor step's readback (`stepped`), and it re-reads the state only when a batch is checked
+while stale, so a pure decode step still makes one sync.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import jax
 import numpy as np
 
 from kvquota.codes import REFUSED_BYTE_QUOTA, REFUSED_GROWING, REFUSED_TOKEN_QUOTA
+from kvquota.sentinel import INVALID
 from kvquota.serving.executors import bucket
 
 QUOTA_OPS = ("register_tenant", "set_quota", "apply_plan")  # ops that may change quotas or flags
@@ -32,15 +41,16 @@ QUOTA_REFUSALS = (REFUSED_TOKEN_QUOTA, REFUSED_BYTE_QUOTA, REFUSED_GROWING)
 
 
 class QuotaView:
-    """Per tenant (host NumPy, None where stale): token_quota, byte_quota (units), used_tokens
-    and device units charged; `needs`: each waiting request's (tokens, units) it needs at least."""
+    """Per tenant (host NumPy, None where stale): token_quota, byte_quota (units), growing,
+    used_tokens and the device units charged; `least`: each queued request's missing blocks at
+    its last try."""
 
     def __init__(self, config):
         self.block_units = config.pool_units[0]
         self.device_units = np.asarray([u if dev else 0 for u, dev in
                                         zip(config.pool_units, config.device_pools)], np.int64)
         self.quotas = self.usage = None
-        self.needs = {}
+        self.least = {}
 
     def changed(self, op: str):
         """A facade call ran: the use is stale, and the quotas too after `QUOTA_OPS`."""
@@ -60,52 +70,58 @@ class QuotaView:
         """Re-read what is stale from `state`; returns the device reads made (0 or 1)."""
         t, want = state.tenants, {}
         if self.quotas is None:
-            want["quotas"] = (t.token_quota, t.byte_quota)
+            want["quotas"] = (t.token_quota, t.byte_quota, t.growing)
         if self.usage is None:
             want["usage"] = (t.charged_blocks, t.used_tokens)
         if not want:
             return 0
         got = jax.device_get(want)
         if "quotas" in got:
-            self.quotas = tuple(np.asarray(q, np.int64) for q in got["quotas"])
+            token, byte, growing = got["quotas"]
+            self.quotas = (np.asarray(token, np.int64), np.asarray(byte, np.int64),
+                           np.asarray(growing, bool))
         if "usage" in got:
             self.usage = self._usage(*got["usage"])
         return 1
 
-    def waits(self, sched, r, holders) -> bool:
-        """Is request r waiting for room its tenant does not have yet? Not while its tenant is
-        not in `holders` (holds nothing that will be freed): then r is tried, and refused again
-        the scheduler can find it hopeless and refuse it for good, as before the waits."""
-        need = self.needs.get(r)
-        if need is None or r.tenant not in holders:
-            return False
-        sched.syncs += self.read(sched.state)
-        (token_quota, byte_quota), (used, charged), t = self.quotas, self.usage, r.tenant
-        return need[0] > token_quota[t] - used[t] or need[1] > byte_quota[t] - charged[t]
-
-    def outcome(self, r, reason: int, missing_blocks: int):
-        """After an admit call: a queued request refused for quota waits for room for its
-        tokens and its missing blocks."""
-        if reason in QUOTA_REFUSALS and r.status == "queued":
-            self.needs[r] = (len(r.context), missing_blocks * self.block_units)
-        else:
-            self.needs.pop(r, None)
+    def sure_refusals(self, rows) -> dict:
+        """{row index: reason} for the Scheduler rows the device refuses for sure (module
+        docstring); rows are requests in batch order."""
+        (token_quota, byte_quota, growing), (used, charged) = self.quotas, self.usage
+        out, sent = {}, set()  # tenants with a row that goes to the device
+        for i, r in enumerate(rows):
+            t, n = r.tenant, len(r.context)
+            if t in sent:
+                continue
+            if n > token_quota[t] - used[t]:
+                out[i] = REFUSED_TOKEN_QUOTA
+            elif self.least.get(r, 1) * self.block_units > byte_quota[t] - charged[t]:
+                out[i] = REFUSED_GROWING if growing[t] else REFUSED_BYTE_QUOTA
+            else:
+                sent.add(t)
+        return out
 
 
-def device_holders(live, idle_sessions, but=None) -> set:
-    """Tenants with something on the device that will be freed: running or prefilling requests
-    (other than `but`) and IDLE session turns; suspended requests sit on host."""
-    return {o.tenant for o in (*live, *idle_sessions)
-            if o is not but and getattr(o, "status", "") != "suspended"}
-
-
-def admit_call(sched, rows):
-    """One admit call for a Scheduler's rows (padded to 4..max_admit rows and a power of two of
-    tokens), its report read back."""
-    b = bucket(len(rows), sched.max_admit, floor=4)
-    ten, lens = np.full(b, -1, np.int32), np.zeros(b, np.int32)
-    tok = np.zeros((b, bucket(max(len(r.context) for r in rows),
-                              sched.config.max_tokens_per_seq)), np.int32)
-    for j, r in enumerate(rows):
-        ten[j], lens[j], tok[j, : len(r.context)] = r.tenant, len(r.context), r.context
-    return sched._read(sched._op("admit", ten, tok, lens))
+def admit_batch(sched, rows) -> list:
+    """(reason, sequence slot, cached tokens) for each of a Scheduler's admission rows, in
+    order: the sure refusals from the view without a device call, the rest from one admit call
+    (padded to 4..max_admit rows and a power of two of tokens), its report read back. Each row
+    the device saw leaves its missing blocks for its next try (a queued request's only)."""
+    view = sched.quota
+    sched.syncs += view.read(sched.state)
+    sure = view.sure_refusals(rows)
+    at = [i for i in range(len(rows)) if i not in sure]  # the call's rows
+    out = {i: (reason, INVALID, 0) for i, reason in sure.items()}
+    if at:
+        b = bucket(len(at), sched.max_admit, floor=4)
+        ten, lens = np.full(b, INVALID, np.int32), np.zeros(b, np.int32)
+        tok = np.zeros((b, bucket(max(len(rows[i].context) for i in at),
+                                  sched.config.max_tokens_per_seq)), np.int32)
+        for j, i in enumerate(at):
+            r = rows[i]
+            ten[j], lens[j], tok[j, : len(r.context)] = r.tenant, len(r.context), r.context
+        rep = sched._read(sched._op("admit", ten, tok, lens))
+        for j, i in enumerate(at):
+            out[i] = (int(rep.reason[j]), int(rep.seq_id[j]), int(rep.cached_tokens[j]))
+            view.least[rows[i]] = int(rep.missing_blocks[j])
+    return [out[i] for i in range(len(rows))]

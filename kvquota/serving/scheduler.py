@@ -35,7 +35,7 @@ from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
 from kvquota.serving.executors import HostMirror, compose_step
 from kvquota.serving.metrics import Event, Request
-from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView, admit_call, device_holders
+from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView, admit_batch
 
 INF = float("inf")
 _ROOMY = ("free", "preempt", "apply_plan", "set_quota", "register_tenant")  # may make room
@@ -307,22 +307,21 @@ class Scheduler(metrics.Intake):
         if any(e.tenant == r.tenant or e.kind in ("quota_cut", "lease_expiry")
                for e in self.events[self._ev:]):
             return False
-        holders = device_holders(self.live, self.idle_of.values(), but=r)
-        return not (r.tenant in holders if mine else holders)
+        return not any(o is not r and getattr(o, "status", "") != "suspended" and
+                       (not mine or o.tenant == r.tenant)
+                       for o in (*self.live, *self.idle_of.values()))
 
     def _admit(self):
         """One admit call for up to max_admit queued requests: per-tenant FIFO (resumes and a
         session's next turn, whose KV is held, at the front), tenants interleaved by (those
-        first, arrival, id). A tenant refused stays parked until something frees room, and a
-        request refused for quota waits until its tenant has room for the least it needs."""
+        first, arrival, id). A tenant refused stays parked until something frees room. Rows the
+        device would surely refuse for quota are refused without it (`quota_view`)."""
         heads = sorted((r for q in self.queues.values() for r in list(q)[: self.max_admit]),
                        key=lambda r: (not (r.resuming or r.turn), r.arrival, r.id))
         rows, blocked = [], set(self.parked)
         prefilling = [o for o in self.live if o.status == "prefill"]
-        holders = device_holders(self.live, self.idle_of.values()) if self.quota.needs else ()
         for r in heads:
-            if len(rows) == self.max_admit or r.tenant in blocked or \
-                    self.quota.waits(self, r, holders):
+            if len(rows) == self.max_admit or r.tenant in blocked:
                 continue
             g = self.tenants[r.tenant]["group"]  # same salt: same tenant or share group
             if metrics.hits_unwritten(self.config.block_size, r.context, [
@@ -338,19 +337,18 @@ class Scheduler(metrics.Intake):
             rows.append(r)
         if not rows:
             return
-        rep, idle = admit_call(self, rows), []
-        for i, r in enumerate(rows):
+        idle = []
+        for r, (reason, q, cached) in zip(rows, admit_batch(self, rows)):
             if r.session is not None and r.session.idle_seq != INVALID:
                 idle.append(r.session)  # its IDLE turn goes: hits taken, or making way
-            if not rep.admitted[i]:
-                self._admit_refused(r, int(rep.reason[i]))
-                self.quota.outcome(r, int(rep.reason[i]), int(rep.missing_blocks[i]))
+            if reason != OK:
+                self._admit_refused(r, reason)
                 continue
-            self.quota.outcome(r, OK, 0)
-            q, n, self._progress = int(rep.seq_id[i]), len(r.context), True
+            self.quota.least.pop(r, None)
+            n, self._progress = len(r.context), True
             self.queues[r.tenant].remove(r)
             r.seq, r.status, r.base = q, "prefill", len(r.tokens)
-            r.prefilled = r.cached_tokens = int(rep.cached_tokens[i])
+            r.prefilled = r.cached_tokens = cached
             r.admitted, self._stamp = self._stamp, self._stamp + 1
             r.admitted_step = self.t if r.admitted_step < 0 else r.admitted_step
             if r.resuming:
@@ -378,6 +376,7 @@ class Scheduler(metrics.Intake):
         # (quota refusals wait on the tenant's own holdings, pool or slots on anyone's; a
         # session's own IDLE turn counts: it is freed to make way first)
         if self._hopeless(r, reason in QUOTA_REFUSALS):
+            self.quota.least.pop(r, None)
             self.queues[r.tenant].remove(r)
             self.parked.discard(r.tenant)  # its next request may fit
             self._refuse(r, name)

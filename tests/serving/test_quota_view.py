@@ -1,7 +1,7 @@
-"""Quota waits (kvquota.serving.quota_view): the device's `missing_blocks` is the least a row
-needs (what an admitted row got as new blocks; a refused one is refused with one block less of
-room, and admitted with room for all its blocks), and the scheduler tries a quota-refused
-request again only once its tenant has that room, instead of at every step that frees anything.
+"""Admission without the rows the device would surely refuse (kvquota.serving.quota_view): the
+device's `missing_blocks` is the least a row needs, every row the view calls a sure refusal is
+refused by the device with that reason, and a load-test replay is the same with the view as
+with every row sent to the device, refusal counts included, in fewer admit calls.
 """
 
 import jax
@@ -11,9 +11,12 @@ from hypothesis import strategies as st
 
 import kvquota as kq
 from configs.models import get_model_config
-from kvquota.codes import OK, REFUSED_BYTE_QUOTA, SEQ_FREE
+from kvquota.codes import (OK, REFUSED_BYTE_QUOTA, REFUSED_GROWING, REFUSED_TOKEN_QUOTA,
+                           SEQ_FREE)
 from kvquota.serving import CostModelExecutor, Request, Scheduler
-from kvquota.serving.quota_view import QUOTA_REFUSALS
+from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView
+from kvquota.sim import loadtest as lt
+from kvquota.sim.traces import TraceConfig, generate_trace
 
 TINY = get_model_config("tiny-qwen")
 CONFIG = kq.StateConfig(TINY, num_blocks=40, block_size=4, max_seqs=8, max_blocks_per_seq=12,
@@ -38,6 +41,34 @@ def _prompt(data, base):
     return list(base[:keep]) + tail
 
 
+class Row:
+    """A queued request as the view sees it: tenant and context."""
+
+    def __init__(self, tenant, context):
+        self.tenant, self.context = tenant, context
+
+
+def _random_state(data, base):
+    """Random quotas, holdings (some freed into cold cache blocks) and grow-no-admit flags."""
+    state = ALLOC.init()
+    for t in range(3):
+        state, _ = ALLOC.register_tenant(
+            state, t, token_quota=data.draw(st.integers(1, 120)),
+            byte_quota=data.draw(st.integers(0, 14)) * BLOCK)
+    held = [(data.draw(st.integers(0, 2)), _prompt(data, base)) for _ in range(3)]
+    state, rep = ALLOC.admit(state, *_batch(held))
+    admitted = np.flatnonzero(np.asarray(rep.admitted))
+    freed = [int(s) for s, f in zip(np.asarray(rep.seq_id)[admitted],
+                                    data.draw(st.lists(st.booleans(), min_size=len(admitted),
+                                                       max_size=len(admitted)))) if f]
+    if freed:
+        state, _ = ALLOC.free(state, np.asarray(freed, np.int32))
+    growing = data.draw(st.lists(st.booleans(), min_size=3, max_size=3))
+    state = state.update(growing=jax.numpy.asarray(growing))
+    kq.check_invariants(CONFIG, state)
+    return state
+
+
 def _tenants(state):
     t = jax.device_get(state.tenants)
     return np.asarray(t.used_tokens), np.asarray(t.charged_blocks)[:, 0]
@@ -52,23 +83,8 @@ def test_missing_blocks_is_the_least_each_row_needs(data):
     it in the batch, tried alone on the state it was decided on with its tenant's quotas at
     used + its tokens and charged + missing - 1 blocks, is refused over byte quota; with room
     for every block of its prompt, admitted (unless the pool is short)."""
-    state = ALLOC.init()
-    for t in range(3):
-        state, _ = ALLOC.register_tenant(
-            state, t, token_quota=data.draw(st.integers(1, 120)),
-            byte_quota=data.draw(st.integers(0, 14)) * BLOCK)
     base = [1, 2, 3, 0] * 12
-    held = [(data.draw(st.integers(0, 2)), _prompt(data, base)) for _ in range(3)]
-    state, rep = ALLOC.admit(state, *_batch(held))
-    admitted = np.flatnonzero(np.asarray(rep.admitted))
-    freed = [int(s) for s, f in zip(np.asarray(rep.seq_id)[admitted],
-                                    data.draw(st.lists(st.booleans(), min_size=len(admitted),
-                                                       max_size=len(admitted)))) if f]
-    if freed:
-        state, _ = ALLOC.free(state, np.asarray(freed, np.int32))
-    growing = data.draw(st.lists(st.booleans(), min_size=3, max_size=3))
-    state = state.update(growing=jax.numpy.asarray(growing))
-    kq.check_invariants(CONFIG, state)
+    state = _random_state(data, base)
     rows = [(data.draw(st.integers(0, 2)), _prompt(data, base))
             for _ in range(data.draw(st.integers(1, ROWS)))]
     after, rep = ALLOC.admit(state, *_batch(rows))
@@ -98,44 +114,98 @@ def test_missing_blocks_is_the_least_each_row_needs(data):
             assert int(one.reason[0]) == want, (i, t, ids, least, blocks)
 
 
-def test_a_quota_refused_request_waits_for_the_room_it_needs(monkeypatch):
-    """Tenant 0 (room for 6 blocks) runs a long and a short request; a third needs 4 blocks and
-    is refused once. The short one's finish frees 2 blocks, not enough: no admit call. The long
-    one's finish frees its 4: the third is admitted at that step's admit."""
-    calls = []
-    real = kq.Allocator.admit
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.data())
+def test_sure_refusals_are_the_devices_refusals(data):
+    """Random states and batches, each row's missing blocks known from a first try on the same
+    cache (or not: then at least one): the device refuses every sure-refused row with the
+    view's reason."""
+    base = [1, 2, 3, 0] * 12
+    state = _random_state(data, base)
+    rows = [Row(data.draw(st.integers(0, 2)), _prompt(data, base))
+            for _ in range(data.draw(st.integers(1, ROWS)))]
+    batch = _batch([(r.tenant, r.context) for r in rows])
+    _, first = ALLOC.admit(state, *batch)
+    view = QuotaView(CONFIG)
+    for r, tried, missing in zip(rows, data.draw(st.lists(st.booleans(), min_size=len(rows),
+                                                          max_size=len(rows))),
+                                 np.asarray(first.missing_blocks)):
+        if tried:
+            view.least[r] = int(missing)
+    assert view.read(state) == 1 and view.read(state) == 0  # read once, then current
+    sure = view.sure_refusals(rows)
+    after, rep = ALLOC.admit(state, *batch)
+    kq.check_invariants(CONFIG, after)
+    reasons = np.asarray(rep.reason)
+    for i, reason in sure.items():
+        assert reasons[i] == reason, (i, rows[i].tenant, rows[i].context, reasons[i], reason)
 
-    def admit(self, state, tenants, *args, **kwargs):
-        calls.append(np.asarray(tenants).tolist())
-        return real(self, state, tenants, *args, **kwargs)
 
-    monkeypatch.setattr(kq.Allocator, "admit", admit)
-    ex = CostModelExecutor(CONFIG, prefill_rows=2, chunk_size=16)
-    s = Scheduler(ex, token_budget=64, max_admit=4, drift_every=1, check_every=1)
-    s.register_tenant(0, token_quota=10**6, byte_quota=6 * BLOCK)
-    long_, short = (s.submit(Request(0, [7] * n, new)) for n, new in ((9, 6), (5, 2)))
-    s.step()  # both admitted: 3 + 2 blocks (5 of 6)
-    third = s.submit(Request(0, [8] * 13, 3))  # 4 blocks: 5 + 4 > 6
-    steps = []
-    while third.status in ("pending", "queued"):
-        before = len(calls)
-        s.step()
-        steps.append((s.t - 1, len(calls) - before, short.status, long_.status))
-    assert s.summary()["refusals"] == {"over byte quota": 1}
-    tried = [t for t, n, *_ in steps if n]
-    assert len(tried) == 2  # refused once, then admitted
-    admitted_at = tried[-1]
-    assert third.admitted_step == admitted_at
-    assert any(st_ == "finished" for _, _, st_, lg in steps if lg == "running")  # short ended
-    assert long_.finished_step == admitted_at - 1  # freed at the start of the admitting step
-    s.run()
-    assert all(r.status == "finished" for r in (long_, short, third))
+def test_each_reason_is_found_before_the_call():
+    """By hand: over token quota, over byte quota (one block, or the missing blocks of an
+    earlier try), growing past a cut, each as the device says; a tenant's row after one that
+    goes to the device goes to the device too."""
+    state = ALLOC.init()
+    for t, (tq, bq) in enumerate([(10, 40 * BLOCK), (100, 2 * BLOCK), (100, 0)]):
+        state, _ = ALLOC.register_tenant(state, t, token_quota=tq, byte_quota=bq)
+    state, _ = ALLOC.admit(state, *_batch([(1, [5] * 4)]))  # tenant 1 holds 1 of its 2 blocks
+    state = state.update(growing=jax.numpy.asarray([False, False, True]))
+    rows = [Row(0, [1] * 11), Row(0, [1] * 4), Row(0, [1] * 11), Row(1, [2] * 8),
+            Row(1, [2] * 3), Row(2, [3] * 3)]
+    view = QuotaView(CONFIG)
+    view.least[rows[3]] = 2  # its last try missed 2 blocks: 1 block of room is short
+    view.read(state)
+    sure = view.sure_refusals(rows)
+    assert sure == {0: REFUSED_TOKEN_QUOTA, 3: REFUSED_BYTE_QUOTA, 5: REFUSED_GROWING}
+    _, rep = ALLOC.admit(state, *_batch([(r.tenant, r.context) for r in rows]))
+    assert np.asarray(rep.reason).tolist() == [REFUSED_TOKEN_QUOTA, 0, REFUSED_TOKEN_QUOTA,
+                                               REFUSED_BYTE_QUOTA, 0, REFUSED_GROWING]
+
+
+def test_a_replay_is_the_same_without_the_view(monkeypatch):
+    """Load-test replays with deep quota cuts: every step and request record, refusal counts
+    included, is the same with the view as with every row sent to the device, in fewer admit
+    calls."""
+    cfg = lt.LoadConfig(blocks=256, max_seqs=8, max_blocks_per_seq=48, num_tenants=4,
+                        token_budget=256, max_admit=4, prefill_rows=2, chunk_size=128)
+    trace = generate_trace(TraceConfig(
+        requests=60, tenants=3, groups=1, system_prompt_tokens=32, rate_per_s=400.0,
+        prompt_mean=96, prompt_max=256, output_mean=24, output_max=64, followup_mean=24,
+        session_fraction=0.4, turns_mean=3, think_time_mean_s=0.05, context_max=700,
+        quota_cuts=3, cut_to=0.05, lease_expiries=0))
+    real_sure, real_admit = QuotaView.sure_refusals, kq.Allocator.admit
+
+    def run(policy, view):
+        calls, found = [], []
+
+        def admit(self, *args, **kwargs):
+            calls.append(1)
+            return real_admit(self, *args, **kwargs)
+
+        def sure(self, rows):
+            out = real_sure(self, rows) if view else {}
+            found.append(len(out))
+            return out
+
+        monkeypatch.setattr(kq.Allocator, "admit", admit)
+        monkeypatch.setattr(QuotaView, "sure_refusals", sure)
+        rp = lt.Replay(cfg, trace, policy, ex=lt.executor(cfg))
+        rp.run()
+        steps = [{k: v for k, v in p.items() if k != "wall_s"} for p in rp.samples]
+        return (steps, rp.request_records(), rp.sched.summary()["refusals"]), len(calls), \
+            sum(found)
+
+    for policy in ("tiered", "grow-no-admit"):
+        (with_view, calls, found), (without, all_calls, _) = run(policy, True), run(policy, False)
+        assert found > 0 and with_view[2]  # refusals happened and the view found some
+        assert with_view == without
+        assert calls < all_calls
 
 
 def test_a_request_that_can_never_fit_is_still_refused_for_good(monkeypatch):
-    """A request larger than its tenant's whole quota waits while the tenant's other request
-    runs; once the tenant holds nothing it is tried again, found hopeless (no event to come)
-    and refused for good, so the run ends with it refused, not queued forever."""
+    """A request larger than its tenant's whole quota goes to the device once; its retries
+    while the tenant's other request runs are refused on the host; once the tenant holds
+    nothing the refusal is found hopeless (no event to come) and final."""
     ex = CostModelExecutor(CONFIG, prefill_rows=2, chunk_size=16)
     s = Scheduler(ex, token_budget=64, max_admit=4, drift_every=1, check_every=1)
     s.register_tenant(0, token_quota=10**6, byte_quota=6 * BLOCK)
@@ -148,5 +218,5 @@ def test_a_request_that_can_never_fit_is_still_refused_for_good(monkeypatch):
                         real(self, *a, **k))
     s.run()
     assert running.status == "finished" and big.status == "refused"
-    assert big.finish == "over byte quota" and big.refusals == {"over byte quota": 2}
-    assert len(tries) == 2 and tries[1] == running.finished_step + 1  # waited, then tried
+    assert big.finish == "over byte quota" and big.refusals["over byte quota"] >= 2
+    assert len(tries) == 1  # its first try; every retry was refused on the host
