@@ -14,12 +14,12 @@ give. A row is certain to be refused, in `_decide`'s order, when
                                                                 byte quota,
 
 with `least` the blocks of its prompt that the prefix cache did not hold at its last try
-(`AdmitReport.missing_blocks`; 1 before any try: at most (n - 1) // P full blocks can hit). A
-row's tenant has used and been charged exactly what the view says only while no earlier row of
-the batch of the same tenant went to the device (it might be accepted), so after such a row
-the tenant's rows all go to the device. The one case where a row called certain might have been
-accepted: the prefix cache gained the row's blocks since its last try (another request wrote
-the same prefix), so it now misses fewer than `least`.
+(`AdmitReport.missing_blocks`; 1 before any try: at most (n - 1) // P full blocks can hit).
+Earlier rows of the same tenant that go to the device may be accepted and raise its use, which
+keeps a refusal certain but may turn over byte quota into over token quota: a row is refused
+over bytes on the host only if its tokens fit even after all of them. The one case where a row
+called certain might have been accepted: the prefix cache gained the row's blocks since its
+last try (another request wrote the same prefix), so it now misses fewer than `least`.
 
 `QuotaView` keeps the tenants' quotas and use on the host, exact while no op ran since it was
 read: the scheduler marks it stale on each facade call (`changed`), refreshes the use from each
@@ -28,6 +28,8 @@ while stale, so a pure decode step still makes one sync.
 """
 
 from __future__ import annotations
+
+import collections
 
 import jax
 import numpy as np
@@ -88,17 +90,17 @@ class QuotaView:
         """{row index: reason} for the Scheduler rows the device refuses for sure (module
         docstring); rows are requests in batch order."""
         (token_quota, byte_quota, growing), (used, charged) = self.quotas, self.usage
-        out, sent = {}, set()  # tenants with a row that goes to the device
+        out, sent = {}, collections.Counter()  # tokens of each tenant's rows sent so far
         for i, r in enumerate(rows):
             t, n = r.tenant, len(r.context)
-            if t in sent:
-                continue
-            if n > token_quota[t] - used[t]:
+            room = token_quota[t] - used[t]
+            if n > room:
                 out[i] = REFUSED_TOKEN_QUOTA
-            elif self.least.get(r, 1) * self.block_units > byte_quota[t] - charged[t]:
+            elif n <= room - sent[t] and \
+                    self.least.get(r, 1) * self.block_units > byte_quota[t] - charged[t]:
                 out[i] = REFUSED_GROWING if growing[t] else REFUSED_BYTE_QUOTA
             else:
-                sent.add(t)
+                sent[t] += n
         return out
 
 

@@ -142,9 +142,9 @@ def test_sure_refusals_are_the_devices_refusals(data):
 
 
 def test_each_reason_is_found_before_the_call():
-    """By hand: over token quota, over byte quota (one block, or the missing blocks of an
-    earlier try), growing past a cut, each as the device says; a tenant's row after one that
-    goes to the device goes to the device too."""
+    """By hand: over token quota (also after a row of the tenant that goes to the device),
+    over byte quota (the missing blocks of an earlier try), growing past a cut, each as the
+    device says."""
     state = ALLOC.init()
     for t, (tq, bq) in enumerate([(10, 40 * BLOCK), (100, 2 * BLOCK), (100, 0)]):
         state, _ = ALLOC.register_tenant(state, t, token_quota=tq, byte_quota=bq)
@@ -156,7 +156,8 @@ def test_each_reason_is_found_before_the_call():
     view.least[rows[3]] = 2  # its last try missed 2 blocks: 1 block of room is short
     view.read(state)
     sure = view.sure_refusals(rows)
-    assert sure == {0: REFUSED_TOKEN_QUOTA, 3: REFUSED_BYTE_QUOTA, 5: REFUSED_GROWING}
+    assert sure == {0: REFUSED_TOKEN_QUOTA, 2: REFUSED_TOKEN_QUOTA, 3: REFUSED_BYTE_QUOTA,
+                    5: REFUSED_GROWING}
     _, rep = ALLOC.admit(state, *_batch([(r.tenant, r.context) for r in rows]))
     assert np.asarray(rep.reason).tolist() == [REFUSED_TOKEN_QUOTA, 0, REFUSED_TOKEN_QUOTA,
                                                REFUSED_BYTE_QUOTA, 0, REFUSED_GROWING]
