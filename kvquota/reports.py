@@ -35,7 +35,7 @@ class AdmitReport:
     new_blocks: jax.Array  # i32[B]  blocks allocated from pool 0
     # i32[B]  blocks of the prompt the prefix cache did not hold (hot or cold), refused rows
     # too: the fewest new blocks the row can need while the cache keeps them (cold hits it
-    # revives are charged on top), so what a quota-refused row waits for
+    # revives are charged on top); the scheduler's host-side sure refusals use it
     missing_blocks: jax.Array
 
     def reasons(self) -> list[str]:
