@@ -44,8 +44,8 @@ QUOTA_REFUSALS = (REFUSED_TOKEN_QUOTA, REFUSED_BYTE_QUOTA, REFUSED_GROWING)
 
 class QuotaView:
     """Per tenant (host NumPy, None where stale): token_quota, byte_quota (units), growing,
-    used_tokens and the device units charged; `least`: each queued request's missing blocks at
-    its last try."""
+    used_tokens and the device units charged; `least`: each refused request's missing blocks at
+    its last try (a request refused for good keeps its entry; it is never a row again)."""
 
     def __init__(self, config):
         self.block_units = config.pool_units[0]
@@ -107,8 +107,9 @@ class QuotaView:
 def admit_batch(sched, rows) -> list:
     """(reason, sequence slot, cached tokens) for each of a Scheduler's admission rows, in
     order: the sure refusals from the view without a device call, the rest from one admit call
-    (padded to 4..max_admit rows and a power of two of tokens), its report read back. Each row
-    the device saw leaves its missing blocks for its next try (a queued request's only)."""
+    (padded to 4..max_admit rows and a power of two of tokens), its report read back. A row the
+    device refused leaves its missing blocks for its next try; an admitted one drops them (a
+    preempted request comes back with another context)."""
     view = sched.quota
     sched.syncs += view.read(sched.state)
     sure = view.sure_refusals(rows)
@@ -125,5 +126,8 @@ def admit_batch(sched, rows) -> list:
         rep = sched._read(sched._op("admit", ten, tok, lens))
         for j, i in enumerate(at):
             out[i] = (int(rep.reason[j]), int(rep.seq_id[j]), int(rep.cached_tokens[j]))
-            view.least[rows[i]] = int(rep.missing_blocks[j])
+            if rep.admitted[j]:
+                view.least.pop(rows[i], None)
+            else:
+                view.least[rows[i]] = int(rep.missing_blocks[j])
     return [out[i] for i in range(len(rows))]

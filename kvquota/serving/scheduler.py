@@ -344,7 +344,6 @@ class Scheduler(metrics.Intake):
             if reason != OK:
                 self._admit_refused(r, reason)
                 continue
-            self.quota.least.pop(r, None)
             n, self._progress = len(r.context), True
             self.queues[r.tenant].remove(r)
             r.seq, r.status, r.base = q, "prefill", len(r.tokens)
@@ -376,7 +375,6 @@ class Scheduler(metrics.Intake):
         # (quota refusals wait on the tenant's own holdings, pool or slots on anyone's; a
         # session's own IDLE turn counts: it is freed to make way first)
         if self._hopeless(r, reason in QUOTA_REFUSALS):
-            self.quota.least.pop(r, None)
             self.queues[r.tenant].remove(r)
             self.parked.discard(r.tenant)  # its next request may fit
             self._refuse(r, name)
