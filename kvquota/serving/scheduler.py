@@ -297,6 +297,8 @@ class Scheduler(metrics.Intake):
             if got is True:
                 r.status = r.was
             elif self._hopeless(r, got == REASONS[REFUSED_BYTE_QUOTA]):
+                if r.session is not None:  # its KV never comes back: no next turn on it
+                    r.session.ended = True
                 self._finish(r, f"suspended: {got}, never restorable")
             else:
                 break  # FIFO: nothing overtakes the oldest suspended request
