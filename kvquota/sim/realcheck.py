@@ -160,7 +160,7 @@ def _measure(load, trace, policies, real_ex, vocab, repeats) -> dict:
     return out
 
 
-def run_check(policies, repeats: int = 3) -> dict:
+def run_check(policies, repeats: int = 2) -> dict:
     import kvquota as kq
 
     config, params = kq.load_pretrained(MODEL)
