@@ -17,8 +17,8 @@ The policies run in --jobs worker processes (default: one per CPU core), with th
 The ledger drift must be 0 at every check (every event, every --drift_every steps, the end):
 otherwise the run is written and the program exits with status 1. --real_check also runs the
 small real case (`kq.sim.realcheck`: SmolLM2-135M on CPU, measured step times against the cost
-model's ranking of the policies; ~4 minutes here, so off by default); --real_check_only runs just
-that, into its own run directory (loadtest_real-<key>):
+model's ranking of the policies, H200 and CPU-calibrated; ~6 minutes here, so off by default);
+--real_check_only runs just that, into its own run directory (loadtest_real-<key>):
 
   python -m experiments.loadtest --real_check_only
 

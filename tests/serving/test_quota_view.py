@@ -6,6 +6,7 @@ with every row sent to the device, refusal counts included, in fewer admit calls
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -163,7 +164,9 @@ def test_each_reason_is_found_before_the_call():
                                                REFUSED_BYTE_QUOTA, 0, REFUSED_GROWING]
 
 
-def test_a_replay_is_the_same_without_the_view(monkeypatch):
+@pytest.mark.parametrize("policy", ["tiered", pytest.param("grow-no-admit",
+                                                             marks=pytest.mark.slow)])
+def test_a_replay_is_the_same_without_the_view(policy, monkeypatch):
     """Load-test replays with deep quota cuts: every step and request record, refusal counts
     included, is the same with the view as with every row sent to the device, in fewer admit
     calls."""
@@ -196,11 +199,10 @@ def test_a_replay_is_the_same_without_the_view(monkeypatch):
         return (steps, rp.request_records(), rp.sched.summary()["refusals"]), len(calls), \
             sum(found)
 
-    for policy in ("tiered", "grow-no-admit"):
-        (with_view, calls, found), (without, all_calls, _) = run(policy, True), run(policy, False)
-        assert found > 0 and with_view[2]  # refusals happened and the view found some
-        assert with_view == without
-        assert calls < all_calls
+    (with_view, calls, found), (without, all_calls, _) = run(policy, True), run(policy, False)
+    assert found > 0 and with_view[2]  # refusals happened and the view found some
+    assert with_view == without
+    assert calls < all_calls
 
 
 def test_a_request_that_can_never_fit_is_still_refused_for_good(monkeypatch):

@@ -43,36 +43,39 @@ def test_priced_clock_by_hand():
     assert got == {"busy_s": 3.0, "mean_step_s": 1.5, "mean_ttft_s": 1.5}
 
 
-def test_repricing_a_replay_on_its_own_steps_gives_its_own_ttft():
-    """The steps of arrival and first token found on a cost-model replay's clock, priced with
-    that replay's own step seconds, give back every TTFT the replay reported (so pricing the
-    same schedule on the measured or the calibrated clock is sound); the checked trace puts the
-    pool under pressure (something is preempted or suspended)."""
+@pytest.fixture(scope="module")
+def suspended_for_good():
+    """The cost model's tiered replay of a trace whose cuts (to a tenth of a share) leave
+    suspended work that can never be restored."""
     sc, load = rc.configs(get_model_config(rc.MODEL))
     ex = rc._logged(lt.executor(load, dataclasses.replace(sc, with_pages=False)))
-    trace = rc.small_trace()
-    run = rc._replay(load, trace, "tiered", ex, 49152)
+    return rc._replay(load, rc.small_trace(1, requests=40, quota_cuts=3, cut_to=0.1),
+                      "tiered", ex, 49152)
+
+
+def test_repricing_a_replay_on_its_own_steps_gives_its_own_ttft(suspended_for_good):
+    """The steps of arrival and first token found on a replay's clock, priced with that
+    replay's own step seconds, give back its TTFTs and busy time (so pricing the same schedule
+    on the measured or the calibrated clock is sound)."""
+    run = suspended_for_good
     rp = run["replay"]
     ttft = [r["ttft_s"] for r in rp.request_records() if r["ttft_s"] is not None]
     priced = rc._priced(run, [s for *_, s in run["log"]])
+    assert len(ttft) == len(run["spans"]) > 10
     assert priced["mean_ttft_s"] == pytest.approx(np.mean(ttft), rel=1e-9)
     assert priced["busy_s"] == pytest.approx(sum(p["step_s"] for p in rp.samples), rel=1e-9)
-    assert run["drift_max"] == 0 and run["preemptions"] + run["suspensions"] > 0
 
 
-def test_a_session_turn_suspended_for_good_ends_its_session():
-    """Regression: a cut to a tenth of a share leaves a suspended session turn that can never
-    be restored. It is finished, and its session ends (its KV stays on the host): the scheduler
-    used to set the suspended sequence idle for the next turn (UnknownSequenceError)."""
-    sc, load = rc.configs(get_model_config(rc.MODEL))
-    ex = rc._logged(lt.executor(load, dataclasses.replace(sc, with_pages=False)))
-    trace = rc.small_trace(1, requests=40, quota_cuts=3, cut_to=0.1)
-    run = rc._replay(load, trace, "tiered", ex, 49152)
+def test_a_session_turn_suspended_for_good_ends_its_session(suspended_for_good):
+    """Regression: a suspended session turn that can never be restored is finished and its
+    session ends (its KV stays on the host): the scheduler used to set the suspended sequence
+    idle for the next turn (UnknownSequenceError)."""
+    run = suspended_for_good
     sched = run["replay"].sched
     gone = [r for r in sched.requests if (r.finish or "").endswith("never restorable")]
     assert gone and any(r.session is not None and r.session.ended and
                         r.turn + 1 < len(r.session.turns) for r in gone)
-    assert sched.done and run["drift_max"] == 0
+    assert sched.done and run["drift_max"] == 0 and run["suspensions"] > 0
     kq.check_invariants(run["replay"].sc, sched.state)
 
 
