@@ -3,6 +3,8 @@
 * Rank promotion raises (as Equinox does): silent rank promotion hides shape bugs. jax's
   warnings that signal misuse (an unusable donation, a truncated x64 dtype, ...) are errors too:
   see `filterwarnings` in setup.cfg's [tool:pytest].
+* A persistent XLA compilation cache (`compilation_cache`), shared with the subprocesses the
+  suite starts: a rerun loads what an earlier run compiled instead of compiling it again.
 * `multidevice`: runs a Python snippet in a fresh process whose CPU platform has 8 devices
   (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, which must be set before jax starts, so
   never in this process); sharding tests (`jax.sharding`, DESIGN.md "Scale") live there.
@@ -31,6 +33,32 @@ def strict_jax_settings() -> None:
 
 
 strict_jax_settings()
+
+CACHE_BYTES = 4 << 30  # the cache's bound (least recently used entries go first)
+
+
+def compilation_cache() -> None:
+    """Compiling is most of the default run's time (six state modules: 101 s with an empty
+    cache, 40 s with a warm one), and programs only repeat across runs, so the cache lives
+    outside the checkout: $KVQUOTA_TEST_JAX_CACHE, by default ~/.cache/kvquota/jax-tests
+    (empty: off). Only compiles of >= 0.2 s are kept: writing the thousands of smaller ones
+    cost more than it saved. jax keys each entry on the program, its compile options and the
+    jax/XLA versions, so a hit runs the executable a compile would make. Set in the environment
+    too, so the CLI and multidevice subprocesses share it."""
+    path = os.environ.get("KVQUOTA_TEST_JAX_CACHE",
+                          str(pathlib.Path.home() / ".cache" / "kvquota" / "jax-tests"))
+    if not path:
+        return
+    settings = {"jax_compilation_cache_dir": path,
+                "jax_persistent_cache_min_compile_time_secs": 0.2,
+                "jax_persistent_cache_min_entry_size_bytes": 0,
+                "jax_compilation_cache_max_size": CACHE_BYTES}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)
+
+
+compilation_cache()
 
 
 @pytest.fixture(autouse=True, scope="module")

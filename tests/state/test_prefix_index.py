@@ -205,10 +205,12 @@ def _explore(machine, how, capsys, scale=1):
     assert not low, f"the machine stopped exploring: (count, floor) {low}"
 
 
+@pytest.mark.slow  # ~25 s: the default run's budget; its check_invariants covers the index
 def test_index_equals_brute_force_after_every_op(capsys):
     """Cold blocks on (the superset of paths: settle pushes some blocks and keeps others
-    cached). Cold off runs in the slow test below; every state test's check_invariants also
-    checks the index after each op, in both modes."""
+    cached). Cold off runs in the long test below. In the default run every state test's
+    check_invariants checks the index after each op, in both modes (the cold state machine
+    of tests/state/test_state_cold.py among them)."""
     _explore(ColdIndexMachine, FAST, capsys)
 
 
