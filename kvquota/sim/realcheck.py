@@ -13,9 +13,9 @@ Two cost models are compared with the measurement, both the executor's formula
 (`CostModelExecutor.modelled_seconds`: overhead + KV bytes read / bandwidth + prefill tokens /
 rate + host bytes / host bandwidth):
 
-* `h200`: the load test's H200 constants. On a 135M model a step is almost all weights there
-  (the policies' steps differ by a fraction of a percent), and the CPU's balance is another
-  machine's, so its ranking is expected to disagree; it is reported, not relied on.
+* `h200`: the load test's H200 constants. On a 135M model a step there is almost all weights,
+  so it ranks the policies by their numbers of steps and little else, on another machine's
+  balance: reported beside the calibrated one, not relied on.
 * `calibrated`: the same formula with its constants fitted to this CPU (non-negative least
   squares of measured step seconds on the terms) on a *different* trace (`CALIBRATION_SEED`)
   under every policy, then used unchanged on the checked trace: a check of the model's form
