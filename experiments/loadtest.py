@@ -22,6 +22,11 @@ model's ranking of the policies, H200 and CPU-calibrated; ~6 minutes here, so of
 
   python -m experiments.loadtest --real_check_only
 
+Compiling every shape at 2^20 blocks takes minutes per worker; the programs go to jax's
+persistent cache (`experiments.cli.compilation_cache`: ~/.cache/kvquota/jax, KVQUOTA_JAX_CACHE=
+turns it off), so a rerun on the same machine loads them, and metrics.json names the cache
+(`compilation_cache`) beside wall_seconds.
+
 Step jitter is |step_s - median of the previous --jitter_window busy steps' step_s|; goodput is
 the output tokens of requests that ended normally within --slo_ttft_s and --slo_tpot_s, per
 modelled second; fragmentation is the unused token slots of the running rows' blocks, in bytes.
@@ -38,6 +43,7 @@ import os  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 
+import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
 import kvquota as kq  # noqa: E402
@@ -201,6 +207,7 @@ def main(argv):
         summary = kq.sim.loadtest_io.measure(cfg, trace, FLAGS.policies, run, FLAGS.real_check,
                                              jobs=FLAGS.jobs or os.cpu_count() or 1)
         summary["wall_seconds"] = time.perf_counter() - _T0
+        summary["compilation_cache"] = jax.config.jax_compilation_cache_dir  # speeds reruns
         summary = run.finish(summary, plot)
     summary["wall_seconds"] = time.perf_counter() - _T0
     if FLAGS.out:

@@ -3,7 +3,7 @@
 * Rank promotion raises (as Equinox does): silent rank promotion hides shape bugs. jax's
   warnings that signal misuse (an unusable donation, a truncated x64 dtype, ...) are errors too:
   see `filterwarnings` in setup.cfg's [tool:pytest].
-* A persistent XLA compilation cache (`compilation_cache`), shared with the subprocesses the
+* A persistent XLA compilation cache (`suite_compilation_cache`), shared with the subprocesses the
   suite starts: a rerun loads what an earlier run compiled instead of compiling it again.
 * `multidevice`: runs a Python snippet in a fresh process whose CPU platform has 8 devices
   (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, which must be set before jax starts, so
@@ -23,6 +23,8 @@ import textwrap
 import jax
 import pytest
 
+from experiments import cli
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MULTIDEVICE_COUNT = 8
 
@@ -34,32 +36,21 @@ def strict_jax_settings() -> None:
 
 strict_jax_settings()
 
-CACHE_BYTES = 4 << 30  # the cache's bound (least recently used entries go first)
-
-
-def compilation_cache() -> None:
+def suite_compilation_cache() -> None:
     """Compiling is most of the default run's time (six state modules: 108 s with an empty
     cache, 29 s with a warm one; the whole default run 18 min cold, 4 min 49 s warm), and
-    programs only repeat across runs, so the cache lives outside the checkout:
-    $KVQUOTA_TEST_JAX_CACHE, by default ~/.cache/kvquota/jax-tests (empty: off). Every compile
-    is kept: keeping only those of >= 0.2 s made a warm run 8 min 56 s. jax keys each entry on
-    the program, its compile options and the jax/XLA versions, so a hit runs the executable a
-    compile would make. Set in the environment too, so the CLI and multidevice subprocesses
-    share it."""
+    programs only repeat across runs, so the suite keeps jax's persistent cache outside the
+    checkout: $KVQUOTA_TEST_JAX_CACHE, by default ~/.cache/kvquota/jax-tests (empty: off). Every
+    compile is kept: keeping only those of >= 0.2 s made a warm run 8 min 56 s. The CLI and
+    multidevice subprocesses inherit it through the environment (`experiments.cli`)."""
     path = os.environ.get("KVQUOTA_TEST_JAX_CACHE",
                           str(pathlib.Path.home() / ".cache" / "kvquota" / "jax-tests"))
-    if not path:
-        return
-    settings = {"jax_compilation_cache_dir": path,
-                "jax_persistent_cache_min_compile_time_secs": 0,
-                "jax_persistent_cache_min_entry_size_bytes": 0,
-                "jax_compilation_cache_max_size": CACHE_BYTES}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-        os.environ[name.upper()] = str(value)
+    os.environ["KVQUOTA_JAX_CACHE"] = path  # the CLIs the suite starts use the same cache
+    if path:
+        cli.compilation_cache(path)
 
 
-compilation_cache()
+suite_compilation_cache()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,6 +8,9 @@ each case is then checked in its own test. MORE_CASES run only with -m slow.
 
 import concurrent.futures
 import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -140,3 +143,29 @@ def test_more_bad_invocations(more_results, case):
 @pytest.mark.parametrize("module", MORE_HELP)
 def test_more_help(more_results, module):
     _check_help(more_results[(module, ("--help",))], module)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"KVQUOTA_JAX_CACHE": "{tmp}/mine", "JAX_COMPILATION_CACHE_DIR": "{tmp}/jax"}, "{tmp}/mine"),
+    ({"JAX_COMPILATION_CACHE_DIR": "{tmp}/jax"}, "{tmp}/jax"),
+    ({"HOME": "{tmp}"}, "{tmp}/.cache/kvquota/jax"),
+    ({"KVQUOTA_JAX_CACHE": "", "JAX_COMPILATION_CACHE_DIR": "{tmp}/jax"}, "None"),
+])
+def test_compilation_cache_precedence_and_off(env, expected, tmp_path):
+    """Every CLI keeps its compiles (experiments.cli.compilation_cache): $KVQUOTA_JAX_CACHE,
+    else jax's own $JAX_COMPILATION_CACHE_DIR, else ~/.cache/kvquota/jax; empty turns it off,
+    even for a cache jax found at import. A compile then lands in that directory."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("KVQUOTA_JAX_CACHE", "JAX_COMPILATION_CACHE_DIR")}
+    env = dict(base, **{k: v.format(tmp=tmp_path) for k, v in env.items()})
+    source = ("import jax, jax.numpy as jnp; from experiments import cli; "
+              "got = cli.compilation_cache(); jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)); "
+              "print(got, jax.config.jax_compilation_cache_dir)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", source], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    want = expected.format(tmp=tmp_path)
+    assert proc.stdout.split() == [want, want]
+    if want != "None":
+        assert any(pathlib.Path(want).iterdir()), "nothing was written to the cache"

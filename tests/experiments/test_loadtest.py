@@ -3,6 +3,7 @@ directory (trace, per-step and per-request lines, plots), an exact replay of the
 and flag errors (one line, exit 2, before any heavy work)."""
 
 import json
+import os
 
 import pytest
 
@@ -32,6 +33,7 @@ def test_json_contract(tiny):
     out, _ = tiny
     assert out["requests"] == 40 and out["blocks"] == 512
     assert type(out["wall_seconds"]) is float and out["wall_seconds"] > 0
+    assert out["compilation_cache"] == (os.environ["KVQUOTA_JAX_CACHE"] or None)  # the suite's
     assert tuple(out["policies"]) == POLICIES
     for name, p in out["policies"].items():
         assert set(KEYS) <= set(p), name
