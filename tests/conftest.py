@@ -36,6 +36,7 @@ def strict_jax_settings() -> None:
 
 strict_jax_settings()
 
+
 def suite_compilation_cache() -> None:
     """Compiling is most of the default run's time (six state modules: 108 s with an empty
     cache, 29 s with a warm one; the whole default run 18 min cold, 4 min 49 s warm), and
