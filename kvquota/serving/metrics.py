@@ -79,6 +79,21 @@ class Request:
     was: str = ""
     resuming: bool = False
 
+    def compact(self) -> None:
+        """An ended request's token ids as int32 arrays, not lists of Python ints: a tenth of
+        the memory (2K-token prompts: ~90 KB -> ~9 KB) for a caller that keeps 10^5 of them (the
+        load test). Lengths and values are unchanged; call it only once the scheduler is done
+        with the request (`ended`)."""
+        self.prompt = np.asarray(self.prompt, np.int32)
+        self.tokens = np.asarray(self.tokens, np.int32)
+        self.context = self.prompt[:0]  # the next admission's tokens: there is none
+
+    @property
+    def ended(self) -> bool:
+        """Finished or refused, and its sequence slot freed (a session's next turn, if any, was
+        built from it): the scheduler reads nothing of it any more."""
+        return self.status in ("finished", "refused") and self.seq == INVALID
+
     def summary(self) -> dict:
         keys = ("id", "name", "tenant", "status", "finish", "tokens", "preemptions",
                 "suspensions", "resume_tokens", "resume_bytes", "cached_tokens", "refusals",

@@ -201,3 +201,23 @@ def test_goodput_counts_tokens_of_requests_within_both_slos():
     got = lt.latency_figures(reqs, cfg, seconds=2.0)
     assert got["good_tokens"] == 11 and got["goodput"] == 5.5
     assert got["completed"] == 4 and got["p50_ttft_s"] == 0.5
+
+
+def test_compacting_ended_requests_changes_nothing(monkeypatch):
+    """The replay keeps ended requests' token ids as int32 arrays (memory at 10^5 requests): the
+    same records and summary as a replay that keeps the lists, and only ended ones compacted."""
+    trace, ex = small_trace(requests=24), lt.executor(SMALL)
+    cfg = dataclasses.replace(SMALL, drift_every=5)
+    compacted = lt.Replay(cfg, trace, "tiered", ex=ex)
+    compacted.run()
+    arrays = [r for r in compacted.sched.requests if isinstance(r.prompt, np.ndarray)]
+    assert arrays and all(r.ended for r in arrays)
+    assert all(isinstance(r.tokens, np.ndarray) and r.tokens.dtype == np.int32 for r in arrays)
+    monkeypatch.setattr(lt.Replay, "_compact", lambda self: None)
+    kept = lt.Replay(cfg, trace, "tiered", ex=ex)
+    kept.run()
+    assert not any(isinstance(r.prompt, np.ndarray) for r in kept.sched.requests)
+    assert compacted.request_records() == kept.request_records()
+    assert compacted.sched.summary() == kept.sched.summary()
+    for a, b in zip(compacted.sched.requests, kept.sched.requests):
+        assert list(a.prompt) == list(b.prompt) and list(a.tokens) == list(b.tokens)
