@@ -122,7 +122,7 @@ def admit_batch(sched, rows) -> list:
                                   sched.config.max_tokens_per_seq)), np.int32)
         for j, i in enumerate(at):
             r = rows[i]
-            ten[j], lens[j], tok[j, : len(r.context)] = r.tenant, len(r.context), r.context
+            ten[j], lens[j], tok[j, : len(r.context)] = r.tenant, len(r.context), r.context_ids()
         rep = sched._read(sched._op("admit", ten, tok, lens))
         for j, i in enumerate(at):
             out[i] = (int(rep.reason[j]), int(rep.seq_id[j]), int(rep.cached_tokens[j]))

@@ -211,7 +211,7 @@ def test_compacting_ended_requests_changes_nothing(monkeypatch):
     compacted = lt.Replay(cfg, trace, "tiered", ex=ex)
     compacted.run()
     arrays = [r for r in compacted.sched.requests if isinstance(r.prompt, np.ndarray)]
-    assert arrays and all(r.ended for r in arrays)
+    assert arrays and all(lt.ended(r) for r in arrays)
     assert all(isinstance(r.tokens, np.ndarray) and r.tokens.dtype == np.int32 for r in arrays)
     monkeypatch.setattr(lt.Replay, "_compact", lambda self: None)
     kept = lt.Replay(cfg, trace, "tiered", ex=ex)
