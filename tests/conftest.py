@@ -39,7 +39,7 @@ strict_jax_settings()
 
 def suite_compilation_cache() -> None:
     """Compiling is most of the default run's time (six state modules: 108 s with an empty
-    cache, 29 s with a warm one; the whole default run 18 min cold, 4 min 49 s warm), and
+    cache, 29 s with a warm one; the whole default run 14 min 46 s cold, 6 min 27 s warm), and
     programs only repeat across runs, so the suite keeps jax's persistent cache outside the
     checkout: $KVQUOTA_TEST_JAX_CACHE, by default ~/.cache/kvquota/jax-tests (empty: off). Every
     compile is kept: keeping only those of >= 0.2 s made a warm run 8 min 56 s. The CLI and
