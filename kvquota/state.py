@@ -40,7 +40,6 @@ from kvquota.errors import StateMismatchError
 from kvquota.pages import PoolPages, init_pages
 from kvquota.prefix_index import PrefixIndex, init_index
 from kvquota.sentinel import INVALID
-from kvquota.validation import pool_codes, vouch, vouched
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +412,12 @@ def _expected(config: StateConfig):
     return treedef, list(zip(paths, leaves)), np.asarray(bounds, np.int32), codes
 
 
+@jax.jit
+def _pool_codes(tier, precision, bounds):
+    """i32[2, K]: tier and precision of the blocks `bounds` (one small dispatch, one host read)."""
+    return jnp.stack([tier[bounds], precision[bounds]]).astype(jnp.int32)
+
+
 def validate_state(config: StateConfig, state) -> None:
     """Raise StateMismatchError unless `state` is a live KVState of exactly this config.
 
@@ -420,8 +425,8 @@ def validate_state(config: StateConfig, state) -> None:
     shape and dtype (an int64 leaf is rejected, never cast), that no leaf was donated to an
     earlier call, and the tier/precision of each pool's first and last block, so a state of
     another config whose arrays happen to have the same shapes (a different pool split) is
-    refused too. That read (2 x POOLS bytes, a sync) is skipped for a state `vouch`ed for:
-    a core's output for this config, or one checked here before (the arrays never change)."""
+    refused too. Host reads: 2 x POOLS bytes.
+    """
     if not isinstance(state, KVState):
         raise StateMismatchError(f"expected a KVState, got {type(state).__name__}")
     treedef, expected, bounds, codes = _expected(config)
@@ -439,10 +444,7 @@ def validate_state(config: StateConfig, state) -> None:
             raise StateMismatchError(
                 f"state field {path} is {leaf.dtype}{tuple(leaf.shape)}, this config needs "
                 f"{want.dtype}{tuple(want.shape)}")
-    if vouched(config, state):
-        return
-    if not np.array_equal(np.asarray(pool_codes(state.blocks.tier, state.blocks.precision,
-                                                 bounds)), codes):
+    if not np.array_equal(np.asarray(_pool_codes(state.blocks.tier, state.blocks.precision, bounds)),
+                          codes):
         raise StateMismatchError("state belongs to another config: its pools' tiers or precisions "
                                  "differ (a different pool split)")
-    vouch(config, state)

@@ -1,13 +1,9 @@
 """Host-side checks of the facade's inputs: integer arrays and scalars, never cast silently, and
-the padding of row lists to power-of-two sizes (so a jitted core compiles once per bucket); and
-the states already known to be of a config (`vouch`), whose pool layout needs no device read."""
+the padding of row lists to power-of-two sizes (so a jitted core compiles once per bucket)."""
 
 from __future__ import annotations
 
-import weakref
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvquota.codes import INT32_MAX
@@ -51,33 +47,3 @@ def int_scalar(name: str, value, error=QuotaValueError) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise error(f"{name} must be an integer, got {value!r}")
     return int(value)
-
-
-@jax.jit
-def pool_codes(tier, precision, bounds):
-    """i32[2, K]: tier and precision of the blocks `bounds` (one small dispatch, one host read)."""
-    return jnp.stack([tier[bounds], precision[bounds]]).astype(jnp.int32)
-
-
-# id(state) -> (weak reference to that very object, its StateConfig)
-_VOUCHED: dict[int, tuple[weakref.ref, object]] = {}
-
-
-def vouch(config, state) -> None:
-    """Record that this state object is a state of `config`: a core's output for that config,
-    or one `validate_state` checked in full. The entry dies with the object, so an id reused by
-    a later object is never trusted."""
-    key = id(state)
-
-    def forget(ref, key=key):
-        if _VOUCHED.get(key, (None,))[0] is ref:
-            del _VOUCHED[key]
-
-    _VOUCHED[key] = (weakref.ref(state, forget), config)
-
-
-def vouched(config, state) -> bool:
-    """Was this very state object vouched for as a state of `config`?"""
-    entry = _VOUCHED.get(id(state))
-    return entry is not None and entry[0]() is state and (entry[1] is config or
-                                                          entry[1] == config)

@@ -14,7 +14,6 @@ import jax
 
 from kvquota.core import (admission, cold, compress, evict, lifecycle, pins, release,
                           statistics, tenants, tiers)
-from kvquota.validation import vouch
 
 # name -> (core, static argument positions besides the config at 0)
 _CORES = {
@@ -59,11 +58,8 @@ own_count = jax.jit(lambda config, state, seq_ids, pool: tiers.own_blocks(
 
 
 def run(name: str, config, state, *args, donate: bool = False):
-    """Call core `name` as `core(config, state, *args) -> (state, report)`; the new state is
-    vouched for as one of `config` (the next facade call skips its pool-layout read)."""
-    out = _TABLE[name][bool(donate)](config, state, *args)
-    vouch(config, out[0])
-    return out
+    """Call core `name` as `core(config, state, *args) -> (state, report)`."""
+    return _TABLE[name][bool(donate)](config, state, *args)
 
 
 def compiled(name: str, donate: bool = False):
