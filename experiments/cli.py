@@ -105,9 +105,9 @@ def compilation_cache(path: Optional[str] = None) -> Optional[str]:
     starts), else ~/.cache/kvquota/jax. Set in the environment too, so worker processes spawned
     later share it. jax keys each entry on the program, its compile options and the jax/XLA
     versions, so a hit runs the executable a compile would make. The cache is unbounded (delete
-    the directory to reclaim it; the test suite's holds ~100 MB): jax's size bound rescans
-    the whole directory, a stat and a read per entry, on every write, which made a cold run of
-    the default tests (~8,700 entries) slower than no cache at all."""
+    the directory to reclaim it; the test suite's holds ~70 MB): jax's size bound rescans the
+    whole directory, a stat and a read per entry, on every write, which made a cold run of the
+    default tests (thousands of entries) slower than no cache at all."""
     if path is None:
         path = os.environ.get("KVQUOTA_JAX_CACHE",
                               os.environ.get("JAX_COMPILATION_CACHE_DIR", str(DEFAULT_CACHE)))
