@@ -98,19 +98,18 @@ def guarded(main: Callable[[list[str]], object]) -> Callable[[list[str]], object
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "kvquota" / "jax"
 
 
-def compilation_cache(path: Optional[str] = None) -> Optional[str]:
-    """Turns on jax's persistent compilation cache at `path`, keeping every compile; returns
-    the directory, or None when off. Without `path`: $KVQUOTA_JAX_CACHE (empty: off), else a
-    cache jax already has from $JAX_COMPILATION_CACHE_DIR (the test suite's, for the CLIs it
-    starts), else ~/.cache/kvquota/jax. Set in the environment too, so worker processes spawned
+def compilation_cache() -> Optional[str]:
+    """Turns on jax's persistent compilation cache, keeping every compile; returns the
+    directory, or None when off. The directory: $KVQUOTA_JAX_CACHE (empty: off), else a cache
+    jax already has from $JAX_COMPILATION_CACHE_DIR, else ~/.cache/kvquota/jax (the test suite
+    sets $KVQUOTA_JAX_CACHE to its own). Set in the environment too, so worker processes spawned
     later share it. jax keys each entry on the program, its compile options and the jax/XLA
     versions, so a hit runs the executable a compile would make. The cache is unbounded (delete
     the directory to reclaim it; the test suite's holds ~70 MB): jax's size bound rescans the
     whole directory, a stat and a read per entry, on every write, which made a cold run of the
     default tests (thousands of entries) slower than no cache at all."""
-    if path is None:
-        path = os.environ.get("KVQUOTA_JAX_CACHE",
-                              os.environ.get("JAX_COMPILATION_CACHE_DIR", str(DEFAULT_CACHE)))
+    path = os.environ.get("KVQUOTA_JAX_CACHE",
+                          os.environ.get("JAX_COMPILATION_CACHE_DIR", str(DEFAULT_CACHE)))
     if not path:  # off, even where jax found $JAX_COMPILATION_CACHE_DIR at import
         jax.config.update("jax_compilation_cache_dir", None)
         os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)

@@ -44,11 +44,9 @@ def suite_compilation_cache() -> None:
     checkout: $KVQUOTA_TEST_JAX_CACHE, by default ~/.cache/kvquota/jax-tests (empty: off). Every
     compile is kept: keeping only those of >= 0.2 s made a warm run 8 min 56 s. The CLI and
     multidevice subprocesses inherit it through the environment (`experiments.cli`)."""
-    path = os.environ.get("KVQUOTA_TEST_JAX_CACHE",
-                          str(pathlib.Path.home() / ".cache" / "kvquota" / "jax-tests"))
-    os.environ["KVQUOTA_JAX_CACHE"] = path  # the CLIs the suite starts use the same cache
-    if path:
-        cli.compilation_cache(path)
+    os.environ["KVQUOTA_JAX_CACHE"] = os.environ.get(
+        "KVQUOTA_TEST_JAX_CACHE", str(cli.DEFAULT_CACHE.with_name("jax-tests")))
+    cli.compilation_cache()
 
 
 suite_compilation_cache()

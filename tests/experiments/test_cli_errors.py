@@ -16,6 +16,7 @@ import jax
 import pytest
 
 import kvquota as kq
+from tests.conftest import REPO
 from tests.experiments.common import run_cli
 
 # (module, arguments, text the one-line error must contain). {text} is a small UTF-8 file,
@@ -161,8 +162,7 @@ def test_compilation_cache_precedence_and_off(env, expected, tmp_path):
     source = ("import jax, jax.numpy as jnp; from experiments import cli; "
               "got = cli.compilation_cache(); jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)); "
               "print(got, jax.config.jax_compilation_cache_dir)")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", source], env=env, cwd=root,
+    proc = subprocess.run([sys.executable, "-c", source], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     want = expected.format(tmp=tmp_path)
