@@ -173,13 +173,6 @@ def ended(r: Request) -> bool:
     return r.status in ("finished", "refused") and r.seq == INVALID
 
 
-def compact(r: Request) -> None:
-    """An ended request's token ids as int32 arrays, not lists of Python ints: a tenth of the
-    memory (a 2K-token prompt: ~90 KB -> ~9 KB). Lengths and values are unchanged."""
-    r.prompt, r.tokens = np.asarray(r.prompt, np.int32), np.asarray(r.tokens, np.int32)
-    r.context, r._ids = r.prompt[:0], None  # no next admission
-
-
 class Replay:
     """One policy's replay of a trace (see the module docstring). `on_step(sample)` gets a
     compact record of each step, `run()` returns the scheduler's requests mapped to trace ids."""
@@ -297,11 +290,11 @@ class Replay:
         Python lists filled 6 GB per worker a third of the way through the default run)."""
         reqs = self.sched.requests
         while self._compacted < len(reqs) and ended(reqs[self._compacted]):
-            compact(reqs[self._compacted])
+            reqs[self._compacted].compact()
             self._compacted += 1
         for r in reqs[self._compacted:]:
             if ended(r) and isinstance(r.prompt, list):
-                compact(r)
+                r.compact()
 
     def _sample(self, rec: dict):
         tiers = dict.fromkeys(metrics.TIERS, 0)
