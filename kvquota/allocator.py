@@ -352,9 +352,11 @@ class Allocator(TierOps, ReclaimOps):
                              allowed=(SEQ_RUNNING, SEQ_SUSPENDED, SEQ_IDLE, SEQ_PREEMPTED))
         if len(np.unique(real)) != len(real):
             raise DoubleFreeError("free: a sequence appears twice in one call")
-        ten = np.asarray(state.seqs.seq_tenant)[real]
-        heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
         rows = pad(real, bucket(len(real)))
+        heirs = None  # most frees orphan nothing: then no other row's entries are listed or read
+        if bool(core.leaves_orphans(self.config, state, rows)):
+            ten = np.asarray(state.seqs.seq_tenant)[real]
+            heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
         return core.run("drop", self.config, state, rows, heirs, None, 0, donate=donate)
 
     def release_plan(self, state, tenant, unpin=False):

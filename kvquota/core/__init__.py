@@ -12,9 +12,10 @@ from kvquota.core.jit import (
     evict_block_fresh_count,
     evict_fresh_count,
     ledger,
+    leaves_orphans,
     own_count,
     run,
 )
 
 __all__ = ["ColdReport", "allocatable", "compiled", "compress_count", "evict_block_fresh_count",
-           "evict_fresh_count", "ledger", "own_count", "run"]
+           "evict_fresh_count", "leaves_orphans", "ledger", "own_count", "run"]

@@ -93,12 +93,17 @@ def _compact_if(config: StateConfig, when, cold_at, ring, head, clock, count):
     """`_compact` when `when` (bool[]), else the arrays as they are: (cold_at, ring, head).
 
     A loop of zero or one trip, not a `lax.cond`: XLA:CPU copies [N_0]-sized operands that a
-    conditional's branch passes through, which cost a few MB of copies on every allocation."""
+    conditional's branch passes through, which cost a few MB of copies on every allocation.
+    `clock` and `count` ride in the loop's carry and leave it changed: were they loop-invariant,
+    XLA would hoist the body's [N_0]-sized arrays built from them (stamps, masks) out of the
+    loop, computing them on every call, trip or not."""
     def body(c):
-        return (c[0] + 1,) + _compact(config, c[1], c[2], clock, count)
+        zero = jnp.int32(0)  # after the one trip nothing reads them: any value makes them vary
+        return (c[0] + 1,) + _compact(config, c[1], c[2], c[4], c[5]) + (zero, zero)
 
-    _, cold_at, ring, head = lax.while_loop(lambda c: c[0] < when.astype(jnp.int32), body,
-                                            (jnp.int32(0), cold_at, ring, head))
+    carry = (jnp.int32(0), cold_at, ring, head, clock, count)
+    _, cold_at, ring, head, _, _ = lax.while_loop(lambda c: c[0] < when.astype(jnp.int32), body,
+                                                  carry)
     return cold_at, ring, head
 
 

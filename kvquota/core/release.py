@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kvquota.codes import SEQ_FREE
+from kvquota.codes import INT32_MAX, SEQ_FREE
 from kvquota.core.cold import stamp_cold
 from kvquota.core.index import forget
 from kvquota.core.pages import scrub_blocks
@@ -143,6 +143,32 @@ def settle(config, state, touched, heirs, reads=()):
         inherited_units=inherited,
         heir_over_quota=over,
     )
+
+
+def leaves_orphans(config, state, seq_rows):
+    """bool[]: would freeing `seq_rows` (i32[K], unique, INVALID = padding) leave an orphan, a
+    block still referenced and unpinned whose payer then holds no reference of its own? Exactly
+    `settle`'s orphan test after `drop_sequences` drops the rows' references, so when it is
+    False the heir entries change nothing and the free may pass none. O(K x MB log(K x MB)):
+    each block's dropped references are counted by sorting the rows' entries."""
+    valid = seq_rows >= 0
+    rc = clip(seq_rows)
+    ten = jnp.where(valid, state.seqs.seq_tenant[rc], INVALID)
+    entries = jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID)
+    live = entries >= 0
+    b = clip(entries)
+    own = live & (state.blocks.payer[b] == ten[:, None])
+
+    def dropped(mask):  # per entry: how many of the rows' entries drop a reference to its block
+        keys = jnp.sort(jnp.where(mask, entries, INT32_MAX).ravel())
+        e = entries.ravel()
+        n = jnp.searchsorted(keys, e, side="right") - jnp.searchsorted(keys, e, side="left")
+        return n.reshape(entries.shape)
+
+    bl = state.blocks
+    orphan = (live & (bl.pin_count[b] == 0) & (bl.ref_count[b] - dropped(live) > 0)
+              & (bl.payer_refs[b] - jnp.where(own, dropped(own), 0) == 0))
+    return orphan.any()
 
 
 def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_slots=0):

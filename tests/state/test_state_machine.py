@@ -34,7 +34,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvquota import codes
+from kvquota import codes, core
 from kvquota import errors as E
 from kvquota.allocator import Allocator
 from kvquota.invariants import recompute
@@ -366,16 +366,33 @@ class KVMachine(RuleBasedStateMachine):
                 bq = max(sim.charged(t) + margin, 0) * BLOCK + extra
                 self.state, _ = self.alloc.set_quota(self.state, t, byte_quota=bq)
                 self.model.set_quota(t, byte_quota=bq)
+        self._check_orphans([seq])
         self.state, rep = self.alloc.free(self.state, [seq])
         self._remember([seq])
         self._check_free_report(rep, self.model.free([seq]))
         STATS["frees"] += 1
+
+    def _check_orphans(self, seqs):
+        """The free's pre-check (`core.leaves_orphans`: are heir entries needed?) against the
+        oracle: some block of the freed tables stays referenced and unpinned while its payer
+        holds no reference of its own. A wrong False would lose an heir's charge."""
+        m, drops, own = self.model, collections.Counter(), collections.Counter()
+        for q in seqs:
+            for b in m.seqs[q].table:
+                drops[b] += 1
+                own[b] += m.payer[b] == m.seqs[q].tenant
+        want = any(m.ref[b] - drops[b] > 0 and m.pin[b] == 0 and m.prefs[b] - own[b] == 0
+                   for b in drops)
+        rows = np.asarray(seqs + [INVALID] * (4 - len(seqs)), np.int32)
+        assert bool(core.leaves_orphans(self.c, self.state, rows)) == want
+        STATS["orphaning frees"] += want
 
     def _free(self, data, two, donate):
         """Free one or two live sequences."""
         seqs = [self._live(data)]
         if two and len(self.model.seqs) > 1:
             seqs.append(self._live(data, exclude=seqs))
+        self._check_orphans(seqs)
         self.state, rep = self.alloc.free(self.state, seqs, donate=donate)
         self._remember(seqs)
         self._check_free_report(rep, self.model.free(seqs))

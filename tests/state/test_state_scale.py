@@ -125,3 +125,32 @@ def test_donated_cores_update_in_place():
         text = fn.lower(config, state, *args).compile().as_text()
         copies = [line.strip() for line in text.splitlines() if big.search(line)]
         assert not copies, (name, copies[:3])
+
+
+def test_cold_compaction_loop_hoists_nothing_pool_sized():
+    """The cold ring's compaction (a loop of zero or one trip) must build its [N_0]-sized stamps
+    and masks inside the trip: hoisted out of the loop as invariants, they were computed on
+    every free, append and admit (2-4 ms a call at 2^20 blocks)."""
+    import re
+
+    from kvquota import core
+
+    config = StateConfig(get_model_config("tiny-qwen"), num_blocks=4093, block_size=4,
+                         max_seqs=37, max_blocks_per_seq=29, num_tenants=5, with_pages=False,
+                         keep_cold_blocks=True)
+    state = build_state(config, SyntheticSpec(num_seqs=30, num_groups=1, group_size=2,
+                                              pool_fill=0.4))
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    calls = {
+        "admit": (core.compiled("admit", donate=True), (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
+        "append": (core.compiled("append", donate=True), (i32([0, 1]), i32([3, 4]))),
+        "free": (core.compiled("drop", donate=True), (i32([0, 1]), None, None, 0)),
+    }
+    pool0 = re.compile(r"\b\w+\[%d\]" % config.num_blocks)
+    for name, (fn, args) in calls.items():
+        text = fn.lower(config, state, *args).compile().as_text()
+        entry = text[text.index("\nENTRY"):]
+        loops = [line for line in entry.splitlines() if " while(" in line]
+        assert loops, name  # the compaction loop is there
+        for line in loops:  # carried: the ring and the stamps (cold_at), nothing else N_0-sized
+            assert len(pool0.findall(line.split(" while(")[0])) <= 2, (name, line[:300])
