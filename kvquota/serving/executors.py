@@ -75,13 +75,8 @@ class StepBatch:
     host_bytes: int = 0
     row_pools: np.ndarray = None
 
-    @property
-    def has_prefill(self) -> bool:
-        return bool((self.pre_seq >= 0).any())
-
-    @property
-    def prefill_tokens(self) -> int:
-        return int(np.where(self.pre_seq >= 0, self.pre_num, 0).sum())
+    has_prefill = property(lambda self: bool((self.pre_seq >= 0).any()))
+    prefill_tokens = property(lambda self: int(np.where(self.pre_seq >= 0, self.pre_num, 0).sum()))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -113,11 +108,11 @@ class HostMirror:
             _pool_entries(s.block_tables, config=self.config)))
 
     def set(self, seqs, *, length=0, status=SEQ_FREE, tenant=INVALID):
-        for q in seqs:
-            self.length[q] = self.position[q] = length
-            self.status[q], self.tenant[q] = status, tenant
+        q = np.asarray(seqs, np.int64)
+        self.length[q] = self.position[q] = length
+        self.status[q], self.tenant[q] = status, tenant
         if self.pools is not None:
-            self.pools[np.asarray(seqs, np.int64)] = 0
+            self.pools[q] = 0
 
     def restored(self, seq: int):
         """A restore brought the slot's host entries back to pool 0."""
@@ -132,8 +127,7 @@ class HostMirror:
               and (self.length[seqs] < config.max_tokens_per_seq).all()
               and (self.position[seqs] < config.model.max_context).all())
         if not ok:
-            raise InvariantError(["decode rows the host mirror does not allow: "
-                                  f"{seqs.tolist()}"])
+            raise InvariantError([f"decode rows the host mirror does not allow: {seqs.tolist()}"])
 
 
 def compose_step(executor, live, token_budget: int, mirror: HostMirror, host_bytes: int = 0):
@@ -141,9 +135,12 @@ def compose_step(executor, live, token_budget: int, mirror: HostMirror, host_byt
     every running request (oldest first, up to max_batch) decodes one token; the rest of the
     token budget (at least one token: prefills always advance) goes to prefill chunks, oldest
     admission first, at most chunk_size each."""
-    dec = [r for r in live if r.status == "running"][: executor.max_batch]
+    dec, prefilling, other = [], [], []  # one pass over the live requests: hundreds at scale
+    for r in live:
+        (dec if r.status == "running" else prefilling if r.status == "prefill" else other).append(r)
+    dec = dec[: executor.max_batch]
     budget, pre = max(token_budget - len(dec), 1), []
-    for r in sorted((r for r in live if r.status == "prefill"), key=lambda q: q.admitted):
+    for r in sorted(prefilling, key=lambda q: q.admitted):
         if len(pre) == executor.prefill_rows or budget < 1:
             break
         pre.append((r, min(len(r.context) - r.prefilled, executor.chunk_size, budget)))
@@ -157,7 +154,10 @@ def build_batch(executor, dec, pre, mirror: HostMirror, host_bytes: int = 0) -> 
     """The StepBatch of decode requests `dec` and prefill (request, chunk length) pairs `pre`,
     padded to the executor's fixed shapes, checked against the host mirror (the chunk's RoPE
     positions start at the slot's position - length)."""
-    mirror.check_decode(executor.state_config, [r.seq for r in dec])
+    # seq, pending token, request id, tokens so far: one pass, one conversion
+    rows = np.array([x for r in dec for x in (r.seq, r.tokens[-1], r.id, len(r.tokens))],
+                    np.int32).reshape(len(dec), 4)
+    mirror.check_decode(executor.state_config, rows[:, 0])
     m_len, m_pos = mirror.length, mirror.position
     bd, bp = executor.decode_width(len(dec)), executor.prefill_rows
     width = executor.chunk_width(max((n for _, n in pre), default=1))
@@ -166,18 +166,15 @@ def build_batch(executor, dec, pre, mirror: HostMirror, host_bytes: int = 0) -> 
                   np.zeros((bp, width), np.int32), np.zeros(bp, np.int32),
                   np.zeros(bp, np.int32), np.zeros((bp, width), np.int32),
                   np.zeros((bp, 2), np.int32), host_bytes)
-    if dec:
-        n = len(dec)
-        b.dec_seq[:n] = [r.seq for r in dec]
-        b.dec_tok[:n] = [r.tokens[-1] for r in dec]
-        b.dec_key[:n] = [(r.id, len(r.tokens)) for r in dec]
+    n = len(dec)
+    b.dec_seq[:n], b.dec_tok[:n], b.dec_key[:n] = rows[:, 0], rows[:, 1], rows[:, 2:]
     if mirror.pools is not None:
         b.row_pools = np.zeros((bd + bp, mirror.pools.shape[1]), np.int32)
         b.row_pools[: len(dec)] = mirror.pools[b.dec_seq[: len(dec)]]
         b.row_pools[bd: bd + len(pre)] = mirror.pools[[r.seq for r, _ in pre]]
     for i, (r, n) in enumerate(pre):
         b.pre_seq[i], b.pre_start[i], b.pre_num[i] = r.seq, r.prefilled, n
-        b.pre_tok[i, :n] = r.context[r.prefilled: r.prefilled + n]
+        b.pre_tok[i, :n] = r.context_ids()[r.prefilled: r.prefilled + n]  # converted once
         b.pre_pos[i] = m_pos[r.seq] - m_len[r.seq] + r.prefilled + np.arange(width)
         b.pre_key[i] = (r.id, len(r.tokens))
     return b

@@ -362,19 +362,17 @@ def step_record(config: StateConfig, *, step, kinds, out, dec, pre, charged, que
     prefill rows), bytes per tenant per tier and used tokens after the step, queue lengths,
     running / suspended requests, and this step's counters (refusals by reason, preemptions,
     resume costs paid, tokens generated and prefilled)."""
-    batch = collections.defaultdict(lambda: {"decode": 0, "prefill": 0})
-    for r in dec:
-        batch[str(r.tenant)]["decode"] += 1
-    for r, _ in pre:
-        batch[str(r.tenant)]["prefill"] += 1
+    rows = {"decode": collections.Counter(r.tenant for r in dec),
+            "prefill": collections.Counter(r.tenant for r, _ in pre)}
+    batch = {str(t): {k: rows[k][t] for k in rows} for t in rows["decode"] | rows["prefill"]}
+    statuses = collections.Counter(r.status for r in live)
     used = [] if out is None else out.used_tokens
     return {"step": step, "events": kinds, "step_s": out.seconds if out is not None else 0.0,
-            "decode_rows": len(dec), "prefill_rows": len(pre), "batch": dict(batch),
+            "decode_rows": len(dec), "prefill_rows": len(pre), "batch": batch,
             "bytes": tier_bytes(config, charged),
             "used_tokens": {str(t): int(v) for t, v in enumerate(used)},
             "queue": {str(t): len(q) for t, q in queues.items()},
-            "running": sum(r.status == "running" for r in live),
-            "suspended": sum(r.status == "suspended" for r in live),
+            "running": statuses["running"], "suspended": statuses["suspended"],
             "idle_sessions": idle_sessions, **counters.step_record(),
             "step_syncs": step_syncs, "host_syncs": host_syncs, "facade_calls": facade_calls}
 

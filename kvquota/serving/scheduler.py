@@ -292,6 +292,8 @@ class Scheduler(metrics.Intake):
         return True
 
     def _restore_suspended(self):
+        if not (self.m.status == SEQ_SUSPENDED).any():  # the mirror: no scan of the live list
+            return
         for r in [q for q in self.live if q.status == "suspended"]:
             got = self._restore(r.seq, r)
             if got is True:
@@ -387,11 +389,9 @@ class Scheduler(metrics.Intake):
         grown = np.asarray([r.seq for r in dec], np.int64)[appended]  # unique slots
         m.length[grown], m.position[grown] = m.length[grown] + 1, m.position[grown] + 1
         tokens, reasons, refused = out.dec_next[:rows].tolist(), out.reason[:rows].tolist(), []
-        for i, ok in enumerate(appended.tolist()):
-            if ok:
-                self._took(dec[i], tokens[i])
-            else:
-                refused.append((dec[i], reasons[i]))
+        for r, ok, token, reason in zip(dec, appended.tolist(), tokens, reasons):
+            self._took(r, token) if ok else refused.append((r, reason))
+        self.counters.add("generated_tokens", len(grown))
         for j, (r, n) in enumerate(pre):
             r.prefilled += n
             self.counters.add("prefill_tokens", n)
@@ -400,6 +400,7 @@ class Scheduler(metrics.Intake):
                 if r.pin_blocks and not r.preemptions and not r.turn:  # pinned once, written
                     self._op("pin_prefix", r.seq, r.pin_blocks)
                 self._took(r, int(out.pre_next[j]))
+                self.counters.add("generated_tokens")
         victims = []  # chosen row by row, then preempted in one call
         for r, reason in refused:
             if r.status == "running" and r not in victims:  # not another row's victim
@@ -408,10 +409,10 @@ class Scheduler(metrics.Intake):
             self._preempt(victims)
 
     def _took(self, r: Request, token: int):
+        """r sampled `token` (the caller counts the generated tokens); it may end here."""
         if not r.tokens:
             r.first_token_s = self.clock
         r.tokens.append(token)
-        self.counters.add("generated_tokens")
         why = ("stop" if token in r.stop_ids else "length" if len(r.tokens) >= r.max_new_tokens
                else "table full" if self.m.length[r.seq] >= self.config.max_tokens_per_seq
                else "context" if self.m.position[r.seq] >= self.config.model.max_context else "")
