@@ -159,7 +159,7 @@ def leaves_orphans(config, state, seq_rows):
     b = clip(entries)
     own = live & (state.blocks.payer[b] == ten[:, None])
 
-    def dropped(mask):  # per entry: how many of the rows' entries drop a reference to its block
+    def dropped(mask):  # per entry: how many of the `mask` entries name its block
         keys = jnp.sort(jnp.where(mask, entries, INT32_MAX).ravel())
         e = entries.ravel()
         n = jnp.searchsorted(keys, e, side="right") - jnp.searchsorted(keys, e, side="left")
@@ -167,7 +167,7 @@ def leaves_orphans(config, state, seq_rows):
 
     bl = state.blocks
     orphan = (live & (bl.pin_count[b] == 0) & (bl.ref_count[b] - dropped(live) > 0)
-              & (bl.payer_refs[b] - jnp.where(own, dropped(own), 0) == 0))
+              & (bl.payer_refs[b] - dropped(own) == 0))
     return orphan.any()
 
 

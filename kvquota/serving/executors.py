@@ -135,9 +135,9 @@ def compose_step(executor, live, token_budget: int, mirror: HostMirror, host_byt
     every running request (oldest first, up to max_batch) decodes one token; the rest of the
     token budget (at least one token: prefills always advance) goes to prefill chunks, oldest
     admission first, at most chunk_size each."""
-    dec, prefilling, other = [], [], []  # one pass over the live requests: hundreds at scale
+    dec, prefilling, waiting = [], [], []  # one pass over the live requests (hundreds)
     for r in live:
-        (dec if r.status == "running" else prefilling if r.status == "prefill" else other).append(r)
+        (dec if r.status == "running" else prefilling if r.status == "prefill" else waiting).append(r)
     dec = dec[: executor.max_batch]
     budget, pre = max(token_budget - len(dec), 1), []
     for r in sorted(prefilling, key=lambda q: q.admitted):
