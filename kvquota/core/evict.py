@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from kvquota.core.index import forget
 from kvquota.core.pages import copy_blocks
 from kvquota.core.prefix import chain_hashes
-from kvquota.core.release import heir_inputs, settle
+from kvquota.core.release import heir_inputs, seq_rows, settle
 from kvquota.core.scatter import clip, oob
-from kvquota.core.tiers import own_blocks, pop_blocks, seq_rows
+from kvquota.core.tiers import own_blocks, pop_blocks
 from kvquota.reports import EvictReport
 from kvquota.sentinel import INVALID
 from kvquota.state import KVState, StateConfig

@@ -55,7 +55,7 @@ evict_fresh_count = jax.jit(evict.fresh_count, static_argnums=(0,))
 evict_block_fresh_count = jax.jit(evict.fresh_block_count, static_argnums=(0,))
 leaves_orphans = jax.jit(release.leaves_orphans, static_argnums=(0,))  # free's heirs needed?
 own_count = jax.jit(lambda config, state, seq_ids, pool: tiers.own_blocks(
-    config, state, *tiers.seq_rows(state, seq_ids), pool).sum(axis=1), static_argnums=(0, 3))
+    config, state, *release.seq_rows(state, seq_ids), pool).sum(axis=1), static_argnums=(0, 3))
 
 
 def run(name: str, config, state, *args, donate: bool = False):

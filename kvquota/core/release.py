@@ -145,19 +145,25 @@ def settle(config, state, touched, heirs, reads=()):
     )
 
 
-def leaves_orphans(config, state, seq_rows):
-    """bool[]: would freeing `seq_rows` (i32[K], unique, INVALID = padding) leave an orphan, a
+def seq_rows(state, seq_ids):
+    """(table rows i32[B, MB], tenant column i32[B, MB]) of `seq_ids`, INVALID for padding."""
+    valid = seq_ids >= 0
+    sc = clip(seq_ids)
+    rows = jnp.where(valid[:, None], state.seqs.block_tables[sc], INVALID)
+    ten = jnp.where(valid, state.seqs.seq_tenant[sc], INVALID)
+    return rows, jnp.broadcast_to(ten[:, None], rows.shape)
+
+
+def leaves_orphans(config, state, seq_ids):
+    """bool[]: would freeing `seq_ids` (i32[K], unique, INVALID = padding) leave an orphan, a
     block still referenced and unpinned whose payer then holds no reference of its own? Exactly
     `settle`'s orphan test after `drop_sequences` drops the rows' references, so when it is
     False the heir entries change nothing and the free may pass none. O(K x MB log(K x MB)):
     each block's dropped references are counted by sorting the rows' entries."""
-    valid = seq_rows >= 0
-    rc = clip(seq_rows)
-    ten = jnp.where(valid, state.seqs.seq_tenant[rc], INVALID)
-    entries = jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID)
+    entries, tenant = seq_rows(state, seq_ids)
     live = entries >= 0
     b = clip(entries)
-    own = live & (state.blocks.payer[b] == ten[:, None])
+    own = live & (state.blocks.payer[b] == tenant)
 
     def dropped(mask):  # per entry: how many of the `mask` entries name its block
         keys = jnp.sort(jnp.where(mask, entries, INT32_MAX).ravel())

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from kvquota.codes import SEQ_RUNNING, SEQ_SUSPENDED
 from kvquota.core.cold import take_pool0
 from kvquota.core.index import index_blocks
-from kvquota.core.release import settle
+from kvquota.core.release import seq_rows, settle
 from kvquota.core.scatter import clip, oob
 from kvquota.pages import to_memory
 from kvquota.reports import MoveReport
@@ -60,15 +60,6 @@ def _move_pages(config, pages, src_ids, dst_ids, mask, src_pool, dst_pool):
     dst = jax.tree.map(lambda a, m: a.at[:, :, dst_local].set(m, mode="drop"),
                        pages[dst_pool], moved)
     return tuple(dst if p == dst_pool else pp for p, pp in enumerate(pages))
-
-
-def seq_rows(state: KVState, seq_ids):
-    """(table rows i32[B, MB], tenant column i32[B, MB]) of `seq_ids`, INVALID for padding."""
-    valid = seq_ids >= 0
-    sc = clip(seq_ids)
-    rows = jnp.where(valid[:, None], state.seqs.block_tables[sc], INVALID)
-    ten = jnp.where(valid, state.seqs.seq_tenant[sc], INVALID)
-    return rows, jnp.broadcast_to(ten[:, None], rows.shape)
 
 
 def own_blocks(config: StateConfig, state: KVState, rows, tcol, pool: int):
