@@ -240,9 +240,11 @@ class Allocator(TierOps, ReclaimOps):
         if (real & ((lens < 1) | (lens > tok.shape[1]))).any():
             i = int(np.flatnonzero(real & ((lens < 1) | (lens > tok.shape[1])))[0])
             raise TokenIdError(f"lengths[{i}] = {lens[i]} outside [1, {tok.shape[1]}]")
-        in_prompt = real[:, None] & (np.arange(tok.shape[1])[None, :] < lens[:, None])
-        if ((tok < 0) | (tok >= c.model.vocab_size))[in_prompt].any():
-            raise TokenIdError(f"prompt token ids must be in [0, {c.model.vocab_size})")
+        vocab = c.model.vocab_size
+        if not 0 <= tok.min() <= tok.max() < vocab:  # some id out of range: in a prompt?
+            in_prompt = real[:, None] & (np.arange(tok.shape[1])[None, :] < lens[:, None])
+            if ((tok < 0) | (tok >= vocab))[in_prompt].any():
+                raise TokenIdError(f"prompt token ids must be in [0, {vocab})")
         return core.run("admit", c, state, ten, tok, np.where(real, lens, 0).astype(np.int32), donate=donate)
 
     def append(self, state, seq_ids, tokens, *, donate=False) -> tuple[KVState, AppendReport]:

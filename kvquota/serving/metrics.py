@@ -195,11 +195,11 @@ def hits_unwritten(block_size: int, context, prefilling) -> bool:
     """Would a prompt `context` hit, in the prefix cache, a full block that one of the
     `prefilling` requests (same salt) reserved but has not prefilled yet (K/V unwritten)?
     Admission hits at most (len - 1) // P leading blocks, along the chain from block 0."""
-    p, ctx = block_size, list(context)
+    p = block_size
     for o in prefilling:
-        n = min((len(ctx) - 1) // p, len(o.context) // p) * p
+        n = min((len(context) - 1) // p, len(o.context) // p) * p
         m = (o.prefilled // p + 1) * p  # it hits past o's written blocks iff these m match
-        if m <= n and ctx[:m] == list(o.context[:m]):
+        if m <= n and list(context[:m]) == list(o.context[:m]):  # only m ids copied
             return True
     return False
 
