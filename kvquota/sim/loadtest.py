@@ -30,6 +30,7 @@ What `replay` reports per policy, overall and per tenant (`summarize`), in model
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import math
 from typing import Callable, Optional, Sequence
@@ -38,7 +39,7 @@ import numpy as np
 
 from configs.models import get_model_config
 from kvquota.errors import InvalidArgumentError
-from kvquota.reclaim.plan import PRESETS
+from kvquota.reclaim.plan import PRESETS, get_reclaim_policy
 from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
 from kvquota.serving.executors import (H200_BF16_FLOPS, H200_HBM_BANDWIDTH, CostModelExecutor,
@@ -199,6 +200,8 @@ class Replay:
         self.arrivals, self.turns = self._items()
         self.trace_id = {}  # scheduler request -> trace request id
         self._compacted = 0  # requests before this index are ended and compacted
+        self._next = [0, 0]  # the next arrival (of `arrivals`) and trace event to hand over
+        self._stepped_out = False  # the stepping is over (`run` then only finishes)
 
     def _ids(self, r) -> list:
         ids = prompt_ids(self.trace, r)
@@ -251,21 +254,41 @@ class Replay:
         self.drift.append({"step": self.sched.t, "why": why, "bytes": d["bytes"],
                            "tokens": d["tokens"]})
 
-    def run(self) -> list:
+    def run(self, until_first_event: bool = False) -> Optional[list]:
+        """Replay to the end (returns the scheduler's requests) or, `until_first_event`, up to
+        the step the first trace event would be handed over (returns None; see `fork`)."""
+        if not self._stepped_out and self._steps(until_first_event):
+            return None
+        self._stepped_out = True
+        if until_first_event:  # the trace ended before any event: `run()` just finishes it
+            return None
+        s = self.sched
+        s._free_finished()
+        self._check_drift("end")
+        self.steps_capped = s.t >= self.cfg.max_steps
+        return s.requests
+
+    def _steps(self, until_first_event: bool) -> bool:
+        """Step the scheduler; True where it paused before the first trace event, False where
+        the replay is over (all done, stalled for good, or max_steps)."""
         s, cfg = self.sched, self.cfg
-        items, events, i, j = self.arrivals, self.trace.events, 0, 0
+        items, events = self.arrivals, self.trace.events
         while s.t < cfg.max_steps:
+            i, j = self._next
+            if until_first_event and j < len(events) and events[j].time_s <= self.now():
+                return True
             while i < len(items) and items[i].arrival_s <= self.now():
                 self._submit(items[i])
                 i += 1
             while j < len(events) and events[j].time_s <= self.now():
                 self._event(events[j])
                 j += 1
+            self._next = [i, j]
             nxt = min(items[i].arrival_s if i < len(items) else math.inf,
                       events[j].time_s if j < len(events) else math.inf)
             s.wake_s = nxt if self.step_clock is None else math.inf
             if s.done and nxt == math.inf:
-                break
+                return False
             rec = s.step()
             self._sample(rec)
             if rec["events"]:
@@ -277,13 +300,29 @@ class Replay:
                 later = min(nxt, s._due[1])  # stalled until the next arrival, if any
                 if later == math.inf or self.step_clock is not None and not s.pending and \
                         i == len(items) and j == len(events):
-                    break
+                    return False
                 if self.step_clock is None:
                     s.clock = max(s.clock, later)
-        s._free_finished()
-        self._check_drift("end")
-        self.steps_capped = s.t >= cfg.max_steps
-        return s.requests
+        return False
+
+    def fork(self, policy: str, on_step: Optional[Callable[[dict], None]] = None) -> "Replay":
+        """This replay, stopped before the trace's first event (`run(until_first_event=True)`),
+        copied to go on under `policy`. Until an event no policy has acted (the scheduler reads
+        its policy only to plan an event's reclaim), so each policy's replay from the start is
+        this one's up to here, step for step; the load test replays that stretch once per
+        worker process instead of once per policy. The trace, configs, executor and allocator
+        (read-only or stateless between steps) are shared; the state and the scheduler's
+        requests, queues and records are copied. The copy's samples so far are this replay's,
+        under `policy`'s name; `on_step` gets the steps from here on."""
+        if self._next[1] or self.sched.event_log:
+            raise InvalidArgumentError("a replay forks only before its first trace event")
+        shared = (self.cfg, self.trace, self.ex, self.sched.alloc, self.sc, self.arrivals,
+                  self.turns, self.on_step)
+        twin = copy.deepcopy(self, {id(x): x for x in shared})
+        twin.policy, twin.sched.policy, twin.on_step = policy, get_reclaim_policy(policy), on_step
+        for p in twin.samples:
+            p["policy"] = policy
+        return twin
 
     def _compact(self):
         """Ended requests keep their token ids as arrays (10^5 requests of 2K-token prompts as

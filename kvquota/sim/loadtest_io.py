@@ -54,26 +54,37 @@ def setup_figures(cfg: lt.LoadConfig) -> dict:
             "step_overhead_s": ex.step_overhead_s}
 
 
-def replay_policy(cfg: lt.LoadConfig, trace, policy: str, points_path=None, ex=None):
-    """One policy's replay: (summary, request records). Step samples are appended to
-    `points_path` (JSONL) as they come. Top-level, so worker processes can run it."""
+def _point_writer(points):
+    return lambda p: points.write(json.dumps({**p, "load_average_1min": os.getloadavg()[0]})
+                                  + "\n")
+
+
+def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths, ex=None) -> list:
+    """Each policy's replay: [(summary, request records)] in `policies` order. The stretch
+    before the trace's first event is replayed once and forked per policy (`Replay.fork`: the
+    same steps a fresh replay gives); each policy's step samples, that stretch's included, are
+    appended to its `points_paths` file (JSONL). Top-level, so worker processes can run it."""
     start = time.perf_counter()
-    points = open(points_path, "a") if points_path is not None else None
-    try:
-        on_step = None if points is None else (
-            lambda p: points.write(json.dumps({**p, "load_average_1min": os.getloadavg()[0]})
-                                   + "\n"))
-        rp = lt.Replay(cfg, trace, policy, ex=ex if ex is not None else lt.executor(cfg),
-                       on_step=on_step)
-        rp.run()
-    finally:
-        if points is not None:
-            points.close()
-    reqs = rp.request_records()
-    result = lt.summarize(rp, reqs)
-    result["drift_checks_log"] = rp.drift
-    result["wall_s"] = time.perf_counter() - start
-    return result, reqs
+    ex = ex if ex is not None else lt.executor(cfg)
+    base = lt.Replay(cfg, trace, policies[0], ex=ex)
+    base.run(until_first_event=True)
+    shared_s, out = time.perf_counter() - start, []
+    for policy, path in zip(policies, points_paths):
+        begin = time.perf_counter()
+        with open(path, "a") as points:
+            write = _point_writer(points)
+            rp = base.fork(policy, on_step=write)
+            for p in rp.samples:
+                write(p)
+            rp.run()
+        reqs = rp.request_records()
+        result = lt.summarize(rp, reqs)
+        result["drift_checks_log"] = rp.drift
+        result["shared_steps"] = base.sched.t  # steps before the first event, run once
+        result["shared_wall_s"] = shared_s  # their wall, shared by `policies`
+        result["wall_s"] = shared_s + time.perf_counter() - begin
+        out.append((result, reqs))
+    return out
 
 
 def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False,
@@ -87,15 +98,18 @@ def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False,
     parts = [out / f".points-{i}.part" for i in range(len(policies))]
     for part in parts:
         part.unlink(missing_ok=True)
-    if jobs > 1 and len(policies) > 1:
+    n = min(jobs, len(policies))
+    shares = [list(range(k, len(policies), n)) for k in range(n)]  # policy indices per worker
+    if n > 1:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds XLA
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(policies)), ctx) as pool:
-            futures = [pool.submit(replay_policy, cfg, trace, p, part)
-                       for p, part in zip(policies, parts)]
-            done = [f.result() for f in futures]
+        with concurrent.futures.ProcessPoolExecutor(n, ctx) as pool:
+            futures = [pool.submit(replay_policies, cfg, trace, [policies[i] for i in share],
+                                   [parts[i] for i in share]) for share in shares]
+            got = [f.result() for f in futures]
     else:
-        ex = lt.executor(cfg)  # stateless between runs: one jit cache for every policy
-        done = [replay_policy(cfg, trace, p, part, ex) for p, part in zip(policies, parts)]
+        got = [replay_policies(cfg, trace, policies, parts)]
+    by_index = {i: r for share, rs in zip(shares, got) for i, r in zip(share, rs)}
+    done = [by_index[i] for i in range(len(policies))]
     results = {}
     with open(out / REQUESTS, "w") as f:
         for policy, (result, reqs) in zip(policies, done):

@@ -221,3 +221,34 @@ def test_compacting_ended_requests_changes_nothing(monkeypatch):
     assert compacted.sched.summary() == kept.sched.summary()
     for a, b in zip(compacted.sched.requests, kept.sched.requests):
         assert list(a.prompt) == list(b.prompt) and list(a.tokens) == list(b.tokens)
+
+
+def _no_wall(samples):
+    return [{k: v for k, v in p.items() if k != "wall_s"} for p in samples]
+
+
+def test_a_fork_before_the_first_event_replays_like_a_fresh_replay():
+    """The load test replays the stretch before the trace's first event once and forks it per
+    policy: the fork's steps, requests, drift checks and summary equal a fresh replay's, the
+    state's invariants hold, and the replay forked from is left as it was."""
+    trace, ex = small_trace(requests=24), lt.executor(SMALL)
+    trace = dataclasses.replace(trace, events=[  # the events late: a long stretch before them
+        dataclasses.replace(e, time_s=e.time_s + 1.0) for e in trace.events])
+    base = lt.Replay(SMALL, trace, "tiered", ex=ex)
+    assert base.run(until_first_event=True) is None
+    shared = base.sched.t
+    assert shared > 20 and base.sched.live and not base.sched.event_log and trace.events
+    fresh = lt.Replay(SMALL, trace, "evict-first", ex=ex)
+    fresh.run()
+    twin = base.fork("evict-first")
+    assert twin.sched.state is not base.sched.state
+    twin.run()
+    kq.check_invariants(twin.sc, twin.sched.state)
+    assert twin.sched.event_log and twin.sched.t > shared
+    assert twin.request_records() == fresh.request_records()
+    assert _no_wall(twin.samples) == _no_wall(fresh.samples)
+    assert twin.drift == fresh.drift and twin.sched.summary() == fresh.sched.summary()
+    assert base.sched.t == shared and not base.sched.event_log and base._next[1] == 0
+    kq.check_invariants(base.sc, base.sched.state)  # not donated away by the twin's steps
+    with pytest.raises(kq.InvalidArgumentError, match="before its first trace event"):
+        twin.fork("tiered")
