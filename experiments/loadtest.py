@@ -8,8 +8,9 @@ The serving scheduler (`kq.serving.Scheduler`) with the cost-model executor over
 state (`kq.sim.loadtest`): pool 0 of --blocks blocks of 16 tokens of Qwen2.5-72B bf16 KV
 (5 MiB each), a compressed int8 pool and a host pool, spread over --devices H200s (default: as
 many as hold the device pools and the weights). A trace (`kq.sim.traces`, generated from the
-flags or --trace) is replayed on the modelled clock under every policy of --policies, each on a
-fresh state. Every cost constant is a flag and recorded in the run directory's config.json. The
+flags or --trace) is replayed on the modelled clock under every policy of --policies, each as if
+on a fresh state (the steps before the trace's first event, where no policy has acted yet, are
+replayed once per worker and copied for each policy: the same steps). Every cost constant is a flag and recorded in the run directory's config.json. The
 run directory (experiments/runs.py) holds the trace (trace.jsonl: replay it with --trace), one
 JSON line per step (points.jsonl) and per request (requests.jsonl), metrics.json, summary.md
 (the table) and the plots latency_cdf.png and bytes_timeline.png, drawn from those files only.

@@ -2,8 +2,9 @@
 
 `LoadConfig` fixes the pool (Qwen2.5-72B geometry by default, metadata only), the scheduler's
 sizes, the SLOs and every constant of the cost model (`CostConstants`, H200 figures). For each
-reclaim policy `replay` builds a fresh state, scheduler and `CostModelExecutor`, and drives the
-trace through it on the scheduler's clock (each step moves it by its modelled seconds):
+reclaim policy `Replay` builds a fresh state, scheduler and `CostModelExecutor`, and drives the
+trace through it on the scheduler's clock (each step moves it by its modelled seconds), or
+`Replay.fork` copies one stopped before the trace's first event (the same steps, replayed once):
 
 * a single request or a session's first turn is submitted when the clock passes its arrival_s;
   a session's turn k > 0 arrives think_s after turn k - 1 finished (the scheduler's `Session`:
@@ -305,7 +306,7 @@ class Replay:
                     s.clock = max(s.clock, later)
         return False
 
-    def fork(self, policy: str, on_step: Optional[Callable[[dict], None]] = None) -> "Replay":
+    def fork(self, policy: str, on_step: Optional[Callable[[dict], None]] = None) -> Replay:
         """This replay, stopped before the trace's first event (`run(until_first_event=True)`),
         copied to go on under `policy`. Until an event no policy has acted (the scheduler reads
         its policy only to plan an event's reclaim), so each policy's replay from the start is

@@ -89,9 +89,10 @@ def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths, ex=None) 
 
 def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False,
             jobs: int = 1) -> dict:
-    """Replays `trace` under each policy (a fresh state and scheduler each), writing the run
-    directory's files; returns the summary (metrics.json). With `jobs` > 1 the policies run in
-    that many worker processes (each compiles once); files and figures are the same as one
+    """Replays `trace` under each policy (as if on a fresh state and scheduler each: see
+    `replay_policies`), writing the run directory's files; returns the summary (metrics.json).
+    With `jobs` > 1 the policies are dealt round-robin to that many worker processes (each
+    compiles once and replays the stretch before the first event once); files and figures are the same as one
     process gives, in policy order (only the load averages recorded with the points differ)."""
     out = pathlib.Path(run.path)
     save_trace(trace, out / "trace.jsonl")
