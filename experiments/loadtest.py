@@ -10,10 +10,11 @@ state (`kq.sim.loadtest`): pool 0 of --blocks blocks of 16 tokens of Qwen2.5-72B
 many as hold the device pools and the weights). A trace (`kq.sim.traces`, generated from the
 flags or --trace) is replayed on the modelled clock under every policy of --policies, each as if
 on a fresh state (the steps before the trace's first event, where no policy has acted yet, are
-replayed once per worker and copied for each policy: the same steps). Every cost constant is a flag and recorded in the run directory's config.json. The
-run directory (experiments/runs.py) holds the trace (trace.jsonl: replay it with --trace), one
-JSON line per step (points.jsonl) and per request (requests.jsonl), metrics.json, summary.md
-(the table) and the plots latency_cdf.png and bytes_timeline.png, drawn from those files only.
+replayed once per worker and copied for each policy: the same steps). Every cost constant is a
+flag and recorded in the run directory's config.json. The run directory (experiments/runs.py)
+holds the trace (trace.jsonl: replay it with --trace), one JSON line per step (points.jsonl) and
+per request (requests.jsonl), metrics.json, summary.md (the table) and the plots
+latency_cdf.png and bytes_timeline.png, drawn from those files only.
 The policies run in --jobs worker processes (default: one per CPU core), with the same files.
 The ledger drift must be 0 at every check (every event, every --drift_every steps, the end):
 otherwise the run is written and the program exits with status 1. --real_check also runs the

@@ -17,8 +17,8 @@ queued. Facade calls donate the state.
 from __future__ import annotations
 
 import collections
-import itertools
 import time
+from itertools import islice
 from typing import Optional, Sequence
 
 import jax
@@ -321,7 +321,7 @@ class Scheduler(metrics.Intake):
         session's next turn, whose KV is held, at the front), tenants interleaved by (those
         first, arrival, id). A tenant refused stays parked until something frees room. Rows the
         device would surely refuse for quota are refused without it (`quota_view`)."""
-        heads = sorted((r for q in self.queues.values() for r in itertools.islice(q, self.max_admit)),
+        heads = sorted((r for q in self.queues.values() for r in islice(q, self.max_admit)),
                        key=lambda r: (not (r.resuming or r.turn), r.arrival, r.id))
         rows, blocked = [], set(self.parked)
         prefilling = [o for o in self.live if o.status == "prefill"]

@@ -315,10 +315,10 @@ class Replay:
         (read-only or stateless between steps) are shared; the state and the scheduler's
         requests, queues and records are copied. The copy's samples so far are this replay's,
         under `policy`'s name; `on_step` gets the steps from here on."""
-        if self._next[1] or self.sched.event_log:
+        if self._next[1]:
             raise InvalidArgumentError("a replay forks only before its first trace event")
         shared = (self.cfg, self.trace, self.ex, self.sched.alloc, self.sc, self.arrivals,
-                  self.turns, self.on_step)
+                  self.turns)
         twin = copy.deepcopy(self, {id(x): x for x in shared})
         twin.policy, twin.sched.policy, twin.on_step = policy, get_reclaim_policy(policy), on_step
         for p in twin.samples:

@@ -59,14 +59,13 @@ def _point_writer(points):
                                   + "\n")
 
 
-def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths, ex=None) -> list:
+def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths) -> list:
     """Each policy's replay: [(summary, request records)] in `policies` order. The stretch
     before the trace's first event is replayed once and forked per policy (`Replay.fork`: the
     same steps a fresh replay gives); each policy's step samples, that stretch's included, are
     appended to its `points_paths` file (JSONL). Top-level, so worker processes can run it."""
     start = time.perf_counter()
-    ex = ex if ex is not None else lt.executor(cfg)
-    base = lt.Replay(cfg, trace, policies[0], ex=ex)
+    base = lt.Replay(cfg, trace, policies[0], ex=lt.executor(cfg))  # one jit cache for all
     base.run(until_first_event=True)
     shared_s, out = time.perf_counter() - start, []
     for policy, path in zip(policies, points_paths):
@@ -92,8 +91,9 @@ def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False,
     """Replays `trace` under each policy (as if on a fresh state and scheduler each: see
     `replay_policies`), writing the run directory's files; returns the summary (metrics.json).
     With `jobs` > 1 the policies are dealt round-robin to that many worker processes (each
-    compiles once and replays the stretch before the first event once); files and figures are the same as one
-    process gives, in policy order (only the load averages recorded with the points differ)."""
+    compiles once and replays the stretch before the first event once); files and figures are
+    the same as one process gives, in policy order (only the load averages recorded with the
+    points differ)."""
     out = pathlib.Path(run.path)
     save_trace(trace, out / "trace.jsonl")
     parts = [out / f".points-{i}.part" for i in range(len(policies))]
