@@ -39,21 +39,21 @@ def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, s
     sequence slots. A tenant flagged `growing` (grow-no-admit) appends past its byte quota; its
     admissions and forks that would go over are refused as REFUSED_GROWING.
 
-    `revive` = (cold_hit bool[B, M], same bool[B, M, B]) from `cold.revive_inputs`: a row's
-    prefix hits on cold blocks that no accepted earlier row revived are charged to it and taken
-    from pool 0's capacity, like new blocks (they were free capacity).
+    `revive` = (cold_hit bool[B, M], group i32[B, M]) from `cold.revive_inputs`: a row's
+    prefix hits on cold blocks that no accepted earlier row revived (none of its group) are
+    charged to it and taken from pool 0's capacity, like new blocks (they were free capacity).
     """
     unit0 = config.pool_units[0]
     slots0 = (state.seqs.seq_status == SEQ_FREE).sum().astype(jnp.int32)
-    b = tenant.shape[0]
 
     def step(carry, row):
         free0, used, charged, slots = carry[:4]
         t, v, ntok, nblk, full = row[:5]
         if revive is not None:  # cold hits not revived by an accepted earlier row
-            cold_i, same_i, i = row[5:]
-            nblk = nblk + (cold_i & ~(same_i & carry[4][None, :]).any(axis=1)).sum(
-                dtype=jnp.int32)
+            cold_i, group_i = row[5:]
+            cols = jnp.arange(group_i.shape[0], dtype=jnp.int32)
+            revived = carry[4][group_i, cols]  # by an accepted row of the entry's group
+            nblk = nblk + (cold_i & ~revived).sum(dtype=jnp.int32)
         tc = clip(t)
         growing = state.tenants.growing[tc]
         over_bytes = nblk * unit0 > state.tenants.byte_quota[tc] - charged[tc]
@@ -76,15 +76,15 @@ def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, s
             slots - (oki if need_slot else 0),
         )
         if revive is not None:
-            new_carry = new_carry + (carry[4].at[i].set(ok),)
+            new_carry = new_carry + (carry[4].at[group_i, cols].set(revived | (cold_i & ok)),)
         return new_carry, (ok, reason.astype(jnp.int32))
 
     init = (allocatable(config, state)[0], state.tenants.used_tokens,
             charged_units(config, state), slots0)
     xs = (tenant, valid, need_tokens, need_blocks, seq_full)
     if revive is not None:
-        init = init + (jnp.zeros((b,), bool),)
-        xs = xs + (revive[0], revive[1], jnp.arange(b, dtype=jnp.int32))
+        init = init + (jnp.zeros(revive[0].shape, bool),)  # [group leader, column] revived
+        xs = xs + revive
     _, (ok, reason) = lax.scan(step, init, xs)
     return ok, reason
 

@@ -46,6 +46,36 @@ def _unique(ids, n0):
     return jnp.where(first, key, INVALID).astype(jnp.int32)
 
 
+def _rounds(body, shared, entries, pending, floor: int = 128, shrink: int = 8):
+    """Run `body(shared, entries, pending) -> (shared, entries, pending)` round by round until
+    no entry is pending; returns (shared, entries) with every entry's last values.
+
+    A probe loop runs as many rounds as the batch's longest probe sequence, but most entries
+    finish in a few: so the entries still pending are moved into a buffer `shrink` times
+    smaller whenever they fit in it (down to `floor`), and the later rounds cost the
+    stragglers, not the batch (an admission of 64 long prompts looks up ~65K blocks of which
+    often only a tenth are real). Every round still sees every pending entry, in the same
+    state, so the outcome is exactly that of one loop over the whole batch. entries: per-entry
+    arrays [n, ...]; `body` must leave entries that are not pending (padding) as they are."""
+    n = pending.shape[0]
+    sizes = [n]
+    while sizes[-1] // shrink >= floor:
+        sizes.append(sizes[-1] // shrink)
+    out, at = entries, jnp.arange(n, dtype=jnp.int32)  # buffer row -> entry (n: padding)
+    for s, size in enumerate(sizes):
+        nxt = sizes[s + 1] if s + 1 < len(sizes) else 0
+        shared, entries, pending = lax.while_loop(lambda c, nxt=nxt: c[2].sum() > nxt,
+                                                  lambda c: body(*c), (shared, entries, pending))
+        out = entries if s == 0 else tuple(o.at[at].set(x, mode="drop")
+                                           for o, x in zip(out, entries))
+        if nxt:  # keep the pending rows, in order, in a buffer of `nxt` rows
+            sel = jnp.nonzero(pending, size=nxt, fill_value=size)[0]
+            real, sel = sel < size, jnp.minimum(sel, size - 1)
+            entries = tuple(x[sel] for x in entries)
+            pending, at = real & pending[sel], jnp.where(real, at[sel], n)
+    return shared, out
+
+
 def _insert(config, slots, slot_of, occupied, ids, words, salts, want):
     """Linear-probing insert of the entries `want` (bool[k]; ids unique, not indexed) with keys
     (words u32[k, 2], salts u32[k]). Round by round every pending entry looks at its slot: a
@@ -53,10 +83,10 @@ def _insert(config, slots, slot_of, occupied, ids, words, salts, want):
     below both markers), the rest move one slot on. Each entry ends at the first slot after its
     home that was free when it got there, with only occupied slots passed: reachable."""
     n0, slots_len = config.num_blocks, 2 * home_count(config)
-    pos = home(words, salts, home_count(config))
 
-    def body(carry):
-        slots, slot_of, occupied, pos, pending = carry
+    def body(shared, entries, pending):
+        slots, slot_of, occupied = shared
+        pos, ids = entries
         cur = slots[pos]
         free = pending & (cur >= TOMB)
         slots = slots.at[oob(pos, free, slots_len)].min(ids, mode="drop")
@@ -65,10 +95,10 @@ def _insert(config, slots, slot_of, occupied, ids, words, salts, want):
         slot_of = slot_of.at[oob(ids, won, n0)].set(pos, mode="drop")
         pending = pending & ~won & (pos < slots_len - 1)  # (the end is never reached: <= 3H/4 used)
         pos = jnp.where(pending, pos + 1, pos)
-        return slots, slot_of, occupied, pos, pending
+        return (slots, slot_of, occupied), (pos, ids), pending
 
-    carry = (slots, slot_of, occupied, pos, want)
-    slots, slot_of, occupied, _, _ = lax.while_loop(lambda c: c[4].any(), body, carry)
+    pos = home(words, salts, home_count(config))
+    (slots, slot_of, occupied), _ = _rounds(body, (slots, slot_of, occupied), (pos, ids), want)
     return slots, slot_of, occupied
 
 
@@ -111,24 +141,25 @@ def candidates(config, state, hashes, salts, tokens, active=None):
     q = hashes.shape[0]
     ix, b = state.index, state.blocks
     pos = home(hashes, salts, home_count(config))
-    done = jnp.zeros((q,), bool) if active is None else ~active
+    pending = jnp.ones((q,), bool) if active is None else active
     best = tuple(jnp.full((q,), INT32_MAX, jnp.int32) for _ in range(c))
 
-    def body(carry):
-        pos, done, best = carry
+    def body(shared, entries, pending):
+        pos, words, salt, best = entries[0], entries[1], entries[2], entries[3:]
         e = ix.slots[pos]
         ec = jnp.clip(e, 0, b.hashed.shape[0] - 1)
-        match = (~done & (e < TOMB) & b.hashed[ec] & (b.block_hash[ec, 0] == hashes[:, 0])
-                 & (b.block_hash[ec, 1] == hashes[:, 1]) & (b.block_salt[ec] == salts))
+        match = (pending & (e < TOMB) & b.hashed[ec] & (b.block_hash[ec, 0] == words[:, 0])
+                 & (b.block_hash[ec, 1] == words[:, 1]) & (b.block_salt[ec] == salt))
         x = jnp.where(match, e, INT32_MAX)
         kept = []
         for col in best:  # insert x into the sorted C smallest (a bubble pass)
             kept.append(jnp.minimum(col, x))
             x = jnp.maximum(col, x)
-        done = done | (e == EMPTY) | (pos >= slots_len - 1)
-        return jnp.where(done, pos, pos + 1), done, tuple(kept)
+        pending = pending & (e != EMPTY) & (pos < slots_len - 1)
+        return shared, (jnp.where(pending, pos + 1, pos), words, salt, *kept), pending
 
-    _, _, best = lax.while_loop(lambda cr: ~cr[1].all(), body, (pos, done, best))
+    _, entries = _rounds(body, (), (pos, hashes, salts, *best), pending)
+    best = entries[3:]
     cand = jnp.stack(best, axis=1)
     same = (b.token_ids[clip(jnp.minimum(cand, b.hashed.shape[0] - 1))] == tokens[:, None, :]
             ).all(axis=2)

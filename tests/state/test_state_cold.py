@@ -299,6 +299,30 @@ def test_rows_of_one_batch_hitting_one_cold_block_pay_for_it_once():
     assert _ints(s3.tenants.charged_blocks[:, 0]) == [3, 0]
 
 
+def test_four_rows_on_one_cold_prefix_revive_it_once_behind_a_refused_row():
+    """Four rows of one group on the cold prefix X Y (each row's group is the lowest row hitting
+    the block; the reviver is the group's lowest *accepted* row): a refused row first, then the
+    payer, a row of the same tenant and one of the other tenant, which hits X only."""
+    alloc, s = fresh(COLD, tenants=((100, 8 * BLOCK, 0), (4, 8 * BLOCK, 0)))
+    s, _ = admit(alloc, s, [(0, [1, 2, 3, 4, 5])])
+    x, y = _ints(s.seqs.block_tables[0])[:2]
+    s, _ = alloc.free(s, [0])
+    rows = [(1, [1, 2, 3, 4, 5]), (0, [1, 2, 3, 4, 5]), (0, [1, 2, 3, 4, 6]), (1, [1, 2, 3, 4])]
+    ten = np.asarray([t for t, _ in rows], np.int32)
+    tok = np.zeros((4, COLD.max_tokens_per_seq), np.int32)
+    for i, (_, ids) in enumerate(rows):
+        tok[i, : len(ids)] = ids
+    lens = np.asarray([len(ids) for _, ids in rows], np.int32)
+    s, r = alloc.admit(s, ten, tok, lens)
+    alloc.check(s)
+    assert r.reasons() == ["over token quota", "ok", "ok", "ok"]
+    assert _ints(r.cached_tokens) == [0, 4, 4, 2] and cold_set(s) == set()
+    assert _ints(s.blocks.payer[np.array([x, y])]) == [0, 0]
+    assert _ints(s.blocks.ref_count[np.array([x, y])]) == [3, 2]
+    assert _ints(s.blocks.payer_refs[np.array([x, y])]) == [2, 2]
+    assert _ints(s.tenants.charged_blocks[:, 0]) == [4, 1]  # X, Y and two new; one new
+
+
 def test_a_pop_never_takes_a_block_another_row_of_the_batch_revives():
     alloc, s = fresh(COLD)
     s, _ = admit(alloc, s, [(0, [1, 2, 3, 4, 5])])
