@@ -135,8 +135,9 @@ def candidates(config, state, hashes, salts, tokens, active=None):
     kept only if its token ids equal the query's). hashes u32[Q, 2], salts u32[Q], tokens
     i32[Q, P]; `active` bool[Q] (None: all) marks the queries to answer (the rest: INVALID).
 
-    All queries probe together, one slot per round, each until it meets EMPTY; a round costs
-    O(Q), and the rounds are the longest probe sequence of the batch."""
+    All queries probe together, one slot per round, each until it meets EMPTY: the rounds are
+    the longest probe sequence of the batch, and a round costs the queries still probing (at
+    most 8x more: `_rounds`), not Q."""
     c, slots_len = config.lookup_candidates, 2 * home_count(config)
     q = hashes.shape[0]
     ix, b = state.index, state.blocks
