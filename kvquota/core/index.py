@@ -146,7 +146,7 @@ def candidates(config, state, hashes, salts, tokens, active=None):
     best = tuple(jnp.full((q,), INT32_MAX, jnp.int32) for _ in range(c))
 
     def body(shared, entries, pending):
-        pos, words, salt, best = entries[0], entries[1], entries[2], entries[3:]
+        pos, words, salt, *best = entries
         e = ix.slots[pos]
         ec = jnp.clip(e, 0, b.hashed.shape[0] - 1)
         match = (pending & (e < TOMB) & b.hashed[ec] & (b.block_hash[ec, 0] == words[:, 0])

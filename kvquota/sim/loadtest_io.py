@@ -67,7 +67,7 @@ def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths) -> list:
     start = time.perf_counter()
     base = lt.Replay(cfg, trace, policies[0], ex=lt.executor(cfg))  # one jit cache for all
     base.run(until_first_event=True)
-    shared_s, out = time.perf_counter() - start, []
+    shared_s, shared_steps, out = time.perf_counter() - start, base.sched.t, []
     for policy, path in zip(policies, points_paths):
         begin = time.perf_counter()
         with open(path, "a") as points:
@@ -79,7 +79,7 @@ def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths) -> list:
         reqs = rp.request_records()
         result = lt.summarize(rp, reqs)
         result["drift_checks_log"] = rp.drift
-        result["shared_steps"] = base.sched.t  # steps before the first event, run once
+        result["shared_steps"] = shared_steps  # steps before the first event, run once
         result["shared_wall_s"] = shared_s  # their wall, shared by `policies`
         result["wall_s"] = shared_s + time.perf_counter() - begin
         out.append((result, reqs))
