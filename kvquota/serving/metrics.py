@@ -346,7 +346,8 @@ class Intake:
                 self._refuse(r, "lease expired" if info else "unknown tenant")
             else:
                 r.status, self._progress = "queued", True
-                q, _ = self.queues[r.tenant], self.parked.discard(r.tenant)
+                q = self.queues[r.tenant]
+                self.parked.arrived(r.tenant, bool(r.turn) or len(q) < self.max_admit)
                 q.appendleft(r) if r.turn else q.append(r)  # a held conversation goes first
 
     def _refuse(self, r: Request, reason: str):

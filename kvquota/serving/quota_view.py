@@ -2,10 +2,10 @@
 
 A refused admission row costs the device as much as an accepted one (its prompt is hashed and
 looked up before the quota check), and a tenant cut far below its holdings is tried again at
-every step that frees anything, each time with all its queue heads. `admit_batch` keeps the
-scheduler's rows and their order, but sends to the device only the rows whose refusal is not
-certain; the others get, on the host, the refusal and reason `core.admission._decide` would
-give. A row is certain to be refused, in `_decide`'s order, when
+every step that frees one of its sequences (`Parking`), each time with all its queue heads.
+`admit_batch` keeps the scheduler's rows and their order, but sends to the device only the
+rows whose refusal is not certain; the others get, on the host, the refusal and reason
+`core.admission._decide` would give. A row is certain to be refused, in `_decide`'s order, when
 
   its prompt's n tokens > token_quota - used_tokens          -> over token quota, else
   the blocks it must allocate, at least `least` of them,
@@ -39,6 +39,7 @@ from kvquota.sentinel import INVALID
 from kvquota.serving.executors import bucket
 
 QUOTA_OPS = ("register_tenant", "set_quota", "apply_plan")  # ops that may change quotas or flags
+FREEING_OPS = ("free", "preempt")  # ops that free sequences (args[0]: their slots)
 QUOTA_REFUSALS = (REFUSED_TOKEN_QUOTA, REFUSED_BYTE_QUOTA, REFUSED_GROWING)
 
 
@@ -102,6 +103,44 @@ class QuotaView:
             else:
                 sent[t] += n
         return out
+
+
+class Parking:
+    """The tenants whose queued requests an admission skips, each until something may make room
+    for it. A tenant refused over a quota (tokens, bytes, growing) waits for a quota change or a
+    reclaim (`QUOTA_OPS`), one of its own sequences freed or preempted, or a new request among
+    its queue heads: nothing else lowers its use, and only a prefix another tenant of its group
+    writes meanwhile (a hit on a block held is not charged) lowers a row's need. A tenant
+    refused for the pool or the sequence slots waits for anyone's free. (Retrying at every free
+    of anyone's made the cut tenants' refused heads fill most of each admission's rows, ahead
+    of the other tenants' newer requests, at every step.)"""
+
+    def __init__(self):
+        self.on_quota = {}  # tenant -> parked on its own quota (False: on the pool or slots)
+
+    def tenants(self) -> set:
+        return set(self.on_quota)
+
+    def refused(self, tenant: int, reason: int):
+        """A row of `tenant` was refused for `reason` (a pool refusal outweighs a quota one)."""
+        self.on_quota[tenant] = self.on_quota.get(tenant, True) and reason in QUOTA_REFUSALS
+
+    def release(self, tenant: int):
+        self.on_quota.pop(tenant, None)
+
+    def arrived(self, tenant: int, among_heads: bool):
+        """A request of `tenant` was queued; among the heads an admission tries, it may fit."""
+        if among_heads:
+            self.release(tenant)
+
+    def op(self, name: str, args, seq_tenant):
+        """A facade call `name(state, *args)` ran; seq_tenant: each slot's tenant (the host
+        mirror's, before the call)."""
+        if name in QUOTA_OPS:
+            self.on_quota.clear()
+        elif name in FREEING_OPS:
+            freed = set(np.asarray(seq_tenant)[np.asarray(args[0], np.int64)].tolist())
+            self.on_quota = {t: q for t, q in self.on_quota.items() if q and t not in freed}
 
 
 def admit_batch(sched, rows) -> list:

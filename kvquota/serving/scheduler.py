@@ -36,10 +36,9 @@ from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
 from kvquota.serving.executors import HostMirror, compose_step
 from kvquota.serving.metrics import Event, Request
-from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView, admit_batch
+from kvquota.serving.quota_view import QUOTA_REFUSALS, Parking, QuotaView, admit_batch
 
 INF = float("inf")
-_ROOMY = ("free", "preempt", "apply_plan", "set_quota", "register_tenant")  # may make room
 
 
 class Scheduler(metrics.Intake):
@@ -71,7 +70,7 @@ class Scheduler(metrics.Intake):
         self.on_step, self.on_event = on_step, on_event
         self.events = sorted(events, key=lambda e: e.step)
         self.t, self.syncs, self._ev, self._stamp, self.drift_max = 0, 0, 0, 0, 0
-        self.facade_calls, self.parked = 0, set()
+        self.facade_calls, self.parked = 0, Parking()
         self.requests, self.pending, self.live, self.sessions = [], [], [], []
         self.queues = collections.defaultdict(collections.deque)
         self.by_seq, self.idle_of, self.tenants = {}, {}, {}
@@ -153,8 +152,7 @@ class Scheduler(metrics.Intake):
         """One facade call on the state, donated; returns its report (counted per step)."""
         self.facade_calls += 1
         self.quota.changed(name)
-        if name in _ROOMY:
-            self.parked.clear()
+        self.parked.op(name, args, self.m.tenant)
         self.state, report = getattr(self.alloc, name)(self.state, *args, donate=True, **kwargs)
         return report
 
@@ -319,11 +317,12 @@ class Scheduler(metrics.Intake):
     def _admit(self):
         """One admit call for up to max_admit queued requests: per-tenant FIFO (resumes and a
         session's next turn, whose KV is held, at the front), tenants interleaved by (those
-        first, arrival, id). A tenant refused stays parked until something frees room. Rows the
-        device would surely refuse for quota are refused without it (`quota_view`)."""
+        first, arrival, id). A tenant refused is parked until something may make room for it
+        (`quota_view.Parking`). Rows the device would surely refuse for quota are refused
+        without it (`quota_view`)."""
         heads = sorted((r for q in self.queues.values() for r in islice(q, self.max_admit)),
                        key=lambda r: (not (r.resuming or r.turn), r.arrival, r.id))
-        rows, blocked = [], set(self.parked)
+        rows, blocked = [], self.parked.tenants()
         prefilling = [o for o in self.live if o.status == "prefill"]
         for r in heads:
             if len(rows) == self.max_admit or r.tenant in blocked:
@@ -375,13 +374,13 @@ class Scheduler(metrics.Intake):
         self.counters.refused(reason)
         r.refusals[name] = r.refusals.get(name, 0) + 1
         r.first_refused = self.t if r.first_refused < 0 else r.first_refused
-        self.parked.add(r.tenant)
+        self.parked.refused(r.tenant, reason)
         self._progress = True  # the next step tries the tenants not parked
         # (quota refusals wait on the tenant's own holdings, pool or slots on anyone's; a
         # session's own IDLE turn counts: it is freed to make way first)
         if self._hopeless(r, reason in QUOTA_REFUSALS):
             self.queues[r.tenant].remove(r)
-            self.parked.discard(r.tenant)  # its next request may fit
+            self.parked.release(r.tenant)  # its next request may fit
             self._refuse(r, name)
 
     # ---- the executor step -------------------------------------------------------------------

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 import kvquota as kq
 from configs.models import get_model_config
-from kvquota.codes import (OK, REFUSED_BYTE_QUOTA, REFUSED_GROWING, REFUSED_TOKEN_QUOTA,
-                           SEQ_FREE)
+from kvquota.codes import (OK, REFUSED_BYTE_QUOTA, REFUSED_GROWING, REFUSED_POOL_FULL,
+                           REFUSED_TOKEN_QUOTA, SEQ_FREE)
 from kvquota.serving import CostModelExecutor, Request, Scheduler
-from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView
+from kvquota.serving.quota_view import QUOTA_REFUSALS, Parking, QuotaView
 from kvquota.sim import loadtest as lt
 from kvquota.sim.traces import TraceConfig, generate_trace
 
@@ -223,3 +223,55 @@ def test_a_request_that_can_never_fit_is_still_refused_for_good(monkeypatch):
     assert running.status == "finished" and big.status == "refused"
     assert big.finish == "over byte quota" and big.refusals["over byte quota"] >= 2
     assert len(tries) == 1  # its first try; every retry was refused on the host
+
+
+def test_parking_waits_for_what_can_make_room():
+    """A quota park ends on a quota op or reclaim, a free of the tenant's own sequences, or a
+    request among its heads, not on another tenant's free; a pool park on anyone's free."""
+    park = Parking()
+    seq_tenant = np.asarray([0, 0, 1, 2])  # slot -> tenant (the host mirror)
+    park.refused(0, REFUSED_BYTE_QUOTA)
+    park.refused(1, REFUSED_POOL_FULL)
+    park.refused(2, REFUSED_TOKEN_QUOTA)
+    park.refused(2, REFUSED_POOL_FULL)  # the pool outweighs: tenant 2 waits on anyone
+    assert park.tenants() == {0, 1, 2}
+    park.op("free", (np.asarray([2], np.int32),), seq_tenant)  # tenant 1 frees a sequence
+    assert park.tenants() == {0}
+    park.op("set_idle", (np.asarray([0], np.int32),), seq_tenant)  # keeps its KV: no room
+    park.arrived(0, among_heads=False)  # behind a backlog: the heads are the same
+    assert park.tenants() == {0}
+    park.op("preempt", (np.asarray([1], np.int32),), seq_tenant)  # its own: room
+    assert park.tenants() == set()
+    for release in (lambda: park.arrived(0, among_heads=True),
+                    lambda: park.op("apply_plan", (None,), seq_tenant),
+                    lambda: park.op("set_quota", (0,), seq_tenant)):
+        park.refused(0, REFUSED_GROWING)
+        release()
+        assert park.tenants() == set()
+
+
+def test_a_tenant_over_quota_leaves_the_admission_rows_to_the_others():
+    """Tenant 0 is over its byte quota with four older requests queued; when tenant 1's
+    request finishes and frees its blocks, tenant 1's next request is admitted at once, not
+    after tenant 0's refused heads have taken the step's four admission rows again. Tenant 0's
+    requests are admitted once its own running request has finished."""
+    ex = CostModelExecutor(CONFIG, prefill_rows=2, chunk_size=16)
+    s = Scheduler(ex, token_budget=64, max_admit=4, drift_every=1, check_every=1)
+    s.register_tenant(0, token_quota=10**6, byte_quota=6 * BLOCK)
+    s.register_tenant(1, token_quota=10**6, byte_quota=20 * BLOCK)
+    hog = s.submit(Request(0, [1] * 16, 8))  # 4 blocks, 6 with its output
+    short = s.submit(Request(1, [5] * 4, 2))
+    s.step()
+    waiting = [s.submit(Request(0, [10 + i] * 9, 2)) for i in range(4)]  # 3 blocks each
+    while short.status != "finished":
+        s.step()
+        assert all(r.status == "queued" for r in waiting)
+    late = s.submit(Request(1, [6] * 4, 2))
+    freed_at = s.t
+    s.step()  # frees short (tenant 1's blocks), then admits
+    assert late.admitted_step == freed_at and hog.status == "running"
+    assert all(r.status == "queued" and r.refusals == {"over byte quota": 1} for r in waiting)
+    s.run()
+    assert all(r.status == "finished" and r.finish == "length" for r in [hog, short, late, *waiting])
+    assert min(r.admitted_step for r in waiting) > hog.finished_step
+    ALLOC.check(s.state)
