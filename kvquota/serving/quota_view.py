@@ -113,7 +113,11 @@ class Parking:
     writes meanwhile (a hit on a block held is not charged) lowers a row's need. A tenant
     refused for the pool or the sequence slots waits for anyone's free. (Retrying at every free
     of anyone's made the cut tenants' refused heads fill most of each admission's rows, ahead
-    of the other tenants' newer requests, at every step.)"""
+    of the other tenants' newer requests, at every step.) A tenant whose append was refused is
+    parked the same way, after the preemption that made room for its running requests: that
+    room is for them to grow into, and a request re-admitted into it would only be preempted
+    again at the next block boundary (vLLM's v0 scheduler likewise swaps nothing back in at a
+    step that preempted)."""
 
     def __init__(self):
         self.on_quota = {}  # tenant -> parked on its own quota (False: on the pool or slots)

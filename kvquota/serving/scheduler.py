@@ -69,11 +69,10 @@ class Scheduler(metrics.Intake):
         self.drift_every, self.check_every = int(drift_every), int(check_every)
         self.on_step, self.on_event = on_step, on_event
         self.events = sorted(events, key=lambda e: e.step)
-        self.t, self.syncs, self._ev, self._stamp, self.drift_max = 0, 0, 0, 0, 0
-        self.facade_calls, self.parked = 0, Parking()
+        self.t = self.syncs = self._ev = self._stamp = self.drift_max = self.facade_calls = 0
         self.requests, self.pending, self.live, self.sessions = [], [], [], []
         self.queues = collections.defaultdict(collections.deque)
-        self.by_seq, self.idle_of, self.tenants = {}, {}, {}
+        self.by_seq, self.idle_of, self.tenants, self.parked = {}, {}, {}, Parking()
         self.counters, self.event_log, self.records = metrics.Counters(), [], []
         self._release, self._dirty, self._progress, self._host_bytes = [], False, False, 0
         # The clock (seconds): each step's executor seconds (measured, or modelled by the cost
@@ -407,6 +406,8 @@ class Scheduler(metrics.Intake):
                 self._append_refused(r, reason, victims)
         if victims:
             self._preempt(victims)
+        for r, reason in refused:  # the room is for the running rows to grow (`Parking`)
+            self.parked.refused(r.tenant, reason)
 
     def _took(self, r: Request, token: int):
         """r sampled `token` (the caller counts the generated tokens); it may end here."""

@@ -275,3 +275,25 @@ def test_a_tenant_over_quota_leaves_the_admission_rows_to_the_others():
     assert all(r.status == "finished" and r.finish == "length" for r in [hog, short, late, *waiting])
     assert min(r.admitted_step for r in waiting) > hog.finished_step
     ALLOC.check(s.state)
+
+
+def test_a_request_preempted_for_its_tenants_quota_waits_for_one_of_its_tenants_frees():
+    """Two requests of tenant 0 outgrow its 5-block quota: the younger is preempted, and it is
+    not re-admitted into the room its preemption made, where the next block boundary preempted
+    it again (three times, retried at every free of its tenant's), but once the older one has
+    finished: one preemption, one refusal."""
+    ex = CostModelExecutor(CONFIG, prefill_rows=2, chunk_size=16)
+    s = Scheduler(ex, token_budget=64, max_admit=4, drift_every=1, check_every=1)
+    s.register_tenant(0, token_quota=10**6, byte_quota=5 * BLOCK)
+    older = s.submit(Request(0, [1] * 4, 8))  # 1 block, 3 with its output
+    s.step()
+    younger = s.submit(Request(0, [2] * 6, 8))  # 2 blocks, 4 with its output
+    while not younger.preemptions:
+        s.step()
+    while older.status != "finished":
+        assert younger.status == "queued"
+        s.step()
+    s.run()
+    assert older.finish == younger.finish == "length" and younger.preemptions == 1
+    assert s.summary()["refusals"] == {"over byte quota": 1}
+    ALLOC.check(s.state)
