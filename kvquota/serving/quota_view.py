@@ -106,18 +106,21 @@ class QuotaView:
 
 
 class Parking:
-    """The tenants whose queued requests an admission skips, each until something may make room
-    for it. A tenant refused over a quota (tokens, bytes, growing) waits for a quota change or a
-    reclaim (`QUOTA_OPS`), one of its own sequences freed or preempted, or a new request among
-    its queue heads: nothing else lowers its use, and only a prefix another tenant of its group
-    writes meanwhile (a hit on a block held is not charged) lowers a row's need. A tenant
-    refused for the pool or the sequence slots waits for anyone's free. (Retrying at every free
-    of anyone's made the cut tenants' refused heads fill most of each admission's rows, ahead
-    of the other tenants' newer requests, at every step.) A tenant whose append was refused is
-    parked the same way, after the preemption that made room for its running requests: that
-    room is for them to grow into, and a request re-admitted into it would only be preempted
-    again at the next block boundary (vLLM's v0 scheduler likewise swaps nothing back in at a
-    step that preempted)."""
+    """The tenants whose queued requests an admission skips, each until something may make room.
+
+    * Refused over a quota (tokens, bytes, growing): until a quota change or a reclaim
+      (`QUOTA_OPS`), a free or preemption of one of its own sequences, or a new request among
+      its queue heads. Nothing else lowers its use. (A prefix that another tenant of its group
+      writes meanwhile can lower a row's need, since a hit on a held block is not charged; the
+      next of those retries finds it.) Retrying at anyone's free, as before, let a cut tenant's
+      refused backlog, the oldest heads, fill most of each admission's rows at every step,
+      ahead of the other tenants' newer requests.
+    * Refused for the pool or the sequence slots: until anyone's free.
+    * An append refused: parked the same way, after the preemption that made room for the
+      tenant's running requests. That room is for them to grow into; a request re-admitted into
+      it would be preempted again at the next block boundary. (vLLM's v0 scheduler likewise
+      swaps nothing in at a step that preempted.)
+    """
 
     def __init__(self):
         self.on_quota = {}  # tenant -> parked on its own quota (False: on the pool or slots)
