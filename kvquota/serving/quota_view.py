@@ -135,6 +135,9 @@ class Parking:
     def release(self, tenant: int):
         self.on_quota.pop(tenant, None)
 
+    def clear(self):
+        self.on_quota.clear()
+
     def arrived(self, tenant: int, among_heads: bool):
         """A request of `tenant` was queued; among the heads an admission tries, it may fit."""
         if among_heads:

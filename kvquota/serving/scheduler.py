@@ -72,7 +72,8 @@ class Scheduler(metrics.Intake):
         self.t = self.syncs = self._ev = self._stamp = self.drift_max = self.facade_calls = 0
         self.requests, self.pending, self.live, self.sessions = [], [], [], []
         self.queues = collections.defaultdict(collections.deque)
-        self.by_seq, self.idle_of, self.tenants, self.parked = {}, {}, {}, Parking()
+        self.by_seq, self.idle_of, self.tenants = {}, {}, {}
+        self.parked, self.unrestored = Parking(), Parking()  # refused: admissions, restores
         self.counters, self.event_log, self.records = metrics.Counters(), [], []
         self._release, self._dirty, self._progress, self._host_bytes = [], False, False, 0
         # The clock (seconds): each step's executor seconds (measured, or modelled by the cost
@@ -143,7 +144,10 @@ class Scheduler(metrics.Intake):
             self._absorb(out, dec, pre)
         charged = out.charged if out is not None and not self._dirty else self._read(
             self.state.tenants.charged_blocks)
-        rec = self._record(out, dec, pre, charged, kinds, marks)
+        rec = metrics.record_step(self, out, dec, pre, charged, kinds, marks)
+        self.records.append(rec)
+        if self.on_step is not None:
+            self.on_step(rec)
         self.t += 1
         return rec
 
@@ -151,7 +155,8 @@ class Scheduler(metrics.Intake):
         """One facade call on the state, donated; returns its report (counted per step)."""
         self.facade_calls += 1
         self.quota.changed(name)
-        self.parked.op(name, args, self.m.tenant)
+        for parking in (self.parked, self.unrestored):
+            parking.op(name, args, self.m.tenant)
         self.state, report = getattr(self.alloc, name)(self.state, *args, donate=True, **kwargs)
         return report
 
@@ -188,6 +193,7 @@ class Scheduler(metrics.Intake):
     # ---- events ------------------------------------------------------------------------------
     def _event(self, ev: Event):
         self._progress = True
+        self.unrestored.clear()  # `_hopeless` reads the events to come
         rec = {"step": self.t, "scheduled": ev.step, "kind": ev.kind, "tenant": ev.tenant,
                "seq_requests": {str(q): r.id for q, r in self.by_seq.items()},
                "ledger_before": metrics.ledger_table(self.alloc.ledger(self.state))}
@@ -234,9 +240,8 @@ class Scheduler(metrics.Intake):
             elif r is not None and f.fate in (FATE_COMPRESSED, FATE_EVICTED):
                 r.lossy = True
             elif s is not None and f.fate in (FATE_PREEMPTED, FATE_RELEASED):
-                s.idle_seq = INVALID  # the next turn recomputes (or the session ends)
-                self.idle_of.pop(f.seq)
-                s.ended = s.ended or f.fate == FATE_RELEASED
+                s.idle_seq, s.ended = INVALID, s.ended or f.fate == FATE_RELEASED
+                self.idle_of.pop(f.seq)  # the next turn recomputes (or the session ended)
         left = np.flatnonzero(self.m.status == SEQ_PREEMPTED).astype(np.int32)
         if len(left):  # slots the plan did not recycle (a policy without rebalance)
             self._op("rebalance", seq_ids=left)
@@ -273,13 +278,11 @@ class Scheduler(metrics.Intake):
     # ---- admission ---------------------------------------------------------------------------
     def _restore(self, seq: int, r: Request, idle: bool = False):
         """Bring a suspended sequence back from host (an IDLE one stays IDLE) if pool 0 and
-        the quota have room: True, else what is short ("pool full" / "over byte quota")."""
+        the quota have room: True, else what is short (REFUSED_POOL_FULL / _BYTE_QUOTA)."""
         try:
             rep = self._op("restore", np.asarray([seq], np.int32))
-        except PoolFullError:
-            return REASONS[REFUSED_POOL_FULL]
-        except QuotaExceededError:
-            return REASONS[REFUSED_BYTE_QUOTA]
+        except (PoolFullError, QuotaExceededError) as e:
+            return REFUSED_POOL_FULL if isinstance(e, PoolFullError) else REFUSED_BYTE_QUOTA
         if idle:
             self._op("set_idle", np.asarray([seq], np.int32))
         moved = int(self._read(rep.moved_blocks).sum()) * self.config.pool_bytes[0]
@@ -290,17 +293,20 @@ class Scheduler(metrics.Intake):
         return True
 
     def _restore_suspended(self):
-        if not (self.m.status == SEQ_SUSPENDED).any():  # the mirror: no scan of the live list
+        """Restore suspended requests (if the host mirror has any), oldest first. One refused
+        is parked (`Parking`) until a free, a quota change or an event: else refused again."""
+        if self.unrestored.tenants() or not (self.m.status == SEQ_SUSPENDED).any():
             return
         for r in [q for q in self.live if q.status == "suspended"]:
             got = self._restore(r.seq, r)
             if got is True:
                 r.status = r.was
-            elif self._hopeless(r, got == REASONS[REFUSED_BYTE_QUOTA]):
+            elif self._hopeless(r, got == REFUSED_BYTE_QUOTA):
                 if r.session is not None:  # its KV never comes back: no next turn on it
                     r.session.ended = True
-                self._finish(r, f"suspended: {got}, never restorable")
+                self._finish(r, f"suspended: {REASONS[got]}, never restorable")
             else:
+                self.unrestored.refused(r.tenant, got)
                 break  # FIFO: nothing overtakes the oldest suspended request
 
     def _hopeless(self, r: Request, mine: bool) -> bool:
@@ -438,13 +444,6 @@ class Scheduler(metrics.Intake):
         victims.append(max(pool, key=lambda q: q.admitted))
 
     # ---- records -----------------------------------------------------------------------------
-    def _record(self, *args) -> dict:
-        rec = metrics.record_step(self, *args)
-        self.records.append(rec)
-        if self.on_step is not None:
-            self.on_step(rec)
-        return rec
-
     def summary(self) -> dict:
         return metrics.run_summary(self.requests, self.records, self.counters, steps=self.t,
                                    drift_max=self.drift_max, events=len(self.event_log))

@@ -14,7 +14,7 @@ import kvquota as kq
 from configs.models import get_model_config
 from kvquota.codes import (OK, REFUSED_BYTE_QUOTA, REFUSED_GROWING, REFUSED_POOL_FULL,
                            REFUSED_TOKEN_QUOTA, SEQ_FREE)
-from kvquota.serving import CostModelExecutor, Request, Scheduler
+from kvquota.serving import CostModelExecutor, Event, Request, Scheduler
 from kvquota.serving.quota_view import QUOTA_REFUSALS, Parking, QuotaView
 from kvquota.sim import loadtest as lt
 from kvquota.sim.traces import TraceConfig, generate_trace
@@ -25,6 +25,8 @@ CONFIG = kq.StateConfig(TINY, num_blocks=40, block_size=4, max_seqs=8, max_block
 BLOCK = CONFIG.pool_bytes[0]  # bytes of a pool-0 block (the only device pool here)
 ROWS, WIDTH = 6, 48
 ALLOC = kq.Allocator(CONFIG)
+HOSTED = kq.StateConfig(TINY, num_blocks=40, block_size=4, max_seqs=8, max_blocks_per_seq=12,
+                        num_tenants=3, kv_format="f32", host_blocks=16, with_pages=False)
 
 
 def _batch(rows):
@@ -297,3 +299,40 @@ def test_a_request_preempted_for_its_tenants_quota_waits_for_one_of_its_tenants_
     assert older.finish == younger.finish == "length" and younger.preemptions == 1
     assert s.summary()["refusals"] == {"over byte quota": 1}
     ALLOC.check(s.state)
+
+
+def _swapped(parked: bool):
+    """Tenant 0's two requests are both suspended to host by a cut to 4 blocks at step 3; the
+    older is restored at once, the younger's restore is over quota until the older finishes.
+    Returns the requests, the summary and the steps at which a restore was tried."""
+    ex = CostModelExecutor(HOSTED, prefill_rows=2, chunk_size=16)
+    s = Scheduler(ex, token_budget=64, max_admit=4, policy="swap-all", drift_every=1,
+                  check_every=1, events=[Event(3, "quota_cut", 0, byte_quota=4 * BLOCK)])
+    for t in range(2):
+        s.register_tenant(t, token_quota=10**6, byte_quota=20 * BLOCK)
+    reqs = [s.submit(Request(0, [1] * 8, 6)), s.submit(Request(0, [2] * 8, 6)),
+            s.submit(Request(1, [3] * 8, 12))]
+    tries, restore = [], s.alloc.restore
+    s.alloc.restore = lambda *a, **k: tries.append(s.t) or restore(*a, **k)
+    if not parked:  # the rule before: the oldest suspended request is retried at every step
+        s.unrestored.refused = lambda *a: None
+    summary = s.run()
+    kq.Allocator(HOSTED).check(s.state)
+    return reqs, summary, tries
+
+
+def test_a_restore_refused_over_quota_waits_for_its_tenants_free():
+    """A suspended request refused a restore is tried again when its tenant frees (or a quota
+    changes), not at every step: the same run, in fewer restore calls."""
+    (older, younger, other), summary, tries = _swapped(parked=True)
+    assert older.suspensions == younger.suspensions == 1 and other.suspensions == 0
+    assert tries == [3, 3, older.finished_step + 1]  # the older's free makes the room
+    assert younger.status == "finished" and younger.finish == "length"
+    reqs, ref, ref_tries = _swapped(parked=False)
+    assert len(ref_tries) > len(tries)
+    fields = ("tokens", "finish", "finished_step", "first_token_s", "resume_bytes", "suspensions")
+    assert [[getattr(r, f) for f in fields] for r in (older, younger, other)] == \
+        [[getattr(r, f) for f in fields] for r in reqs]
+    drop = ("decode_steps", "syncs_per_decode_step")  # steps with no facade call: more
+    assert {k: v for k, v in summary.items() if k not in drop} == \
+        {k: v for k, v in ref.items() if k not in drop}
