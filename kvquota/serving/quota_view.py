@@ -120,6 +120,9 @@ class Parking:
       tenant's running requests. That room is for them to grow into; a request re-admitted into
       it would be preempted again at the next block boundary. (vLLM's v0 scheduler likewise
       swaps nothing in at a step that preempted.)
+
+    The scheduler parks the oldest suspended request's refused restore in a second one: only the
+    same ops can make its room (and any event ends that park: what is hopeless depends on them).
     """
 
     def __init__(self):
