@@ -150,7 +150,7 @@ class Parking:
         """A facade call `name(state, *args)` ran; seq_tenant: each slot's tenant (the host
         mirror's, before the call)."""
         if name in QUOTA_OPS:
-            self.on_quota.clear()
+            self.clear()
         elif name in FREEING_OPS:
             freed = set(np.asarray(seq_tenant)[np.asarray(args[0], np.int64)].tolist())
             self.on_quota = {t: q for t, q in self.on_quota.items() if q and t not in freed}

@@ -4,6 +4,8 @@ refused by the device with that reason, and a load-test replay is the same with 
 with every row sent to the device, refusal counts included, in fewer admit calls.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -25,8 +27,7 @@ CONFIG = kq.StateConfig(TINY, num_blocks=40, block_size=4, max_seqs=8, max_block
 BLOCK = CONFIG.pool_bytes[0]  # bytes of a pool-0 block (the only device pool here)
 ROWS, WIDTH = 6, 48
 ALLOC = kq.Allocator(CONFIG)
-HOSTED = kq.StateConfig(TINY, num_blocks=40, block_size=4, max_seqs=8, max_blocks_per_seq=12,
-                        num_tenants=3, kv_format="f32", host_blocks=16, with_pages=False)
+HOSTED = dataclasses.replace(CONFIG, host_blocks=16, keep_cold_blocks=False)  # suspensions
 
 
 def _batch(rows):
