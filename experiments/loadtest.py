@@ -116,6 +116,9 @@ def define_flags():
     f.DEFINE_integer("drift_every", 1000, "Ledger drift checked every n steps (and at events, "
                      "at the end).", lower_bound=1)
     f.DEFINE_integer("max_steps", 1_000_000, "Steps per policy at most.", lower_bound=1)
+    f.DEFINE_float("patience_s", 0.0, "A client cancels a request not admitted within this many "
+                   "seconds of its arrival (refused 'timed out'; 0: clients wait for ever).",
+                   lower_bound=0)
     # the cost model (H200 SXM defaults)
     f.DEFINE_float("hbm_bandwidth", 4.8e12, "HBM bytes/s per device.", lower_bound=1)
     f.DEFINE_float("hbm_bytes", 141e9, "HBM bytes per device.", lower_bound=1)
@@ -155,7 +158,7 @@ def load_config() -> "kq.sim.LoadConfig":
         prefill_rows=FLAGS.prefill_rows, chunk_size=FLAGS.chunk_size,
         slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=FLAGS.slo_tpot_s,
         jitter_window=FLAGS.jitter_window, drift_every=FLAGS.drift_every,
-        max_steps=FLAGS.max_steps, cost=cost)
+        max_steps=FLAGS.max_steps, patience_s=FLAGS.patience_s or None, cost=cost)
 
 
 def trace_config() -> "kq.sim.TraceConfig":

@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from kvquota.codes import INT32_MAX, REASONS
+from kvquota.codes import REASONS
 from kvquota.errors import (ContextTooLongError, InvalidArgumentError, InvariantError,
-                            SequenceTooLongError, TokenIdError, UnknownTenantError)
+                            SequenceTooLongError, TokenIdError)
 from kvquota.invariants import recompute
 from kvquota.sentinel import INVALID
 from kvquota.state import StateConfig
@@ -292,69 +292,6 @@ class Counters:
         out["preemptions_total"] = int(self.total["preemptions"])
         out["refusals"] = dict(self.refusals_step)
         return out
-
-
-class Intake:
-    """How a Scheduler takes requests in: submit (checked, typed errors, nothing queued on
-    error), sessions (turn k+1 submitted when turn k finishes), arrivals into the per-tenant
-    queues (a session's next turn, whose KV is held, at the front), refusals with a reason."""
-
-    def submit(self, request: Request) -> Request:
-        """Queue a request for its arrival step; bad input raises a typed error, nothing queued."""
-        prompt = check_request(self.config, request)
-        if request.tenant not in set(self.tenants) | {
-                e.tenant for e in self.events[self._ev:] if e.kind == "new_tenant"}:
-            raise UnknownTenantError(f"tenant {request.tenant} is not registered (nor by an event)")
-        request.id, request.status = len(self.requests), "pending"
-        request.prompt, request.context = prompt, list(prompt)
-        self.requests.append(request)
-        self.pending.append(request)
-        a, b = self._due
-        self._due = ((min(a, request.arrival), b) if request.arrival_s is None else
-                     (a, min(b, request.arrival_s)))
-        return request
-
-    def submit_session(self, session: Session) -> Session:
-        if not session.turns:
-            raise InvalidArgumentError("a session needs at least one turn")
-        self._turn(session, 0, list(session.turns[0]), session.arrival, session.arrival_s)
-        self.sessions.append(session)
-        return session
-
-    def _turn(self, s: Session, k: int, prompt, arrival: int, arrival_s=None):
-        new = s.turn_new_tokens[k] if k < len(s.turn_new_tokens) else s.max_new_tokens
-        s.requests.append(self.submit(Request(s.tenant, prompt, new, arrival=arrival,
-                                              arrival_s=arrival_s, stop_ids=s.stop_ids,
-                                              name=f"{s.name}.{k}", session=s, turn=k)))
-
-    def _arrived(self, r: Request) -> bool:
-        return r.arrival <= self.t if r.arrival_s is None else r.arrival_s <= self.clock
-
-    def _arrivals(self):
-        due = self._due  # (earliest arrival step, earliest arrival_s) of the pending requests
-        if not self.pending or (due[0] > self.t and due[1] > self.clock):
-            return  # nothing due: no scan of the pending list
-        arrived = [r for r in self.pending if self._arrived(r)]
-        self.pending = [r for r in self.pending if not self._arrived(r)]
-        self._due = (min((r.arrival for r in self.pending if r.arrival_s is None),
-                         default=INT32_MAX),
-                     min((r.arrival_s for r in self.pending if r.arrival_s is not None),
-                         default=float("inf")))
-        for r in arrived:
-            info = self.tenants.get(r.tenant)
-            if info is None or info["expired"]:
-                self._refuse(r, "lease expired" if info else "unknown tenant")
-            else:
-                r.status, self._progress = "queued", True
-                q = self.queues[r.tenant]
-                self.parked.arrived(r.tenant, bool(r.turn) or len(q) < self.max_admit)
-                q.appendleft(r) if r.turn else q.append(r)  # a held conversation goes first
-
-    def _refuse(self, r: Request, reason: str):
-        r.status, r.finish = "refused", reason
-        self.counters.refused_named(reason)
-        if r.session is not None:
-            r.session.ended = True
 
 
 def step_record(config: StateConfig, *, step, kinds, out, dec, pre, charged, queues, live,

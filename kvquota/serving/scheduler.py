@@ -35,13 +35,14 @@ from kvquota.reclaim.plan import get_reclaim_policy
 from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
 from kvquota.serving.executors import HostMirror, compose_step
+from kvquota.serving.intake import Intake
 from kvquota.serving.metrics import Event, Request
 from kvquota.serving.quota_view import QUOTA_REFUSALS, Parking, QuotaView, admit_batch
 
 INF = float("inf")
 
 
-class Scheduler(metrics.Intake):
+class Scheduler(Intake):
     """Continuous batching of many tenants' requests over one state (see the module docstring).
 
     Args: executor: a ModelExecutor or CostModelExecutor (its state_config is the state's);
@@ -365,13 +366,7 @@ class Scheduler(metrics.Intake):
             self.m.set([q], length=n, status=SEQ_RUNNING, tenant=r.tenant)
             self.by_seq[q] = r
             self.live.append(r)
-        seqs = [s.idle_seq for s in idle]  # with keep_cold_blocks their full blocks stay cached
-        if seqs:
-            self._op("free", np.asarray(seqs, np.int32))
-            self.m.set(seqs)
-        for s in idle:
-            self.idle_of.pop(s.idle_seq)
-            s.idle_seq = INVALID
+        self._free_idle(idle)  # with keep_cold_blocks their full blocks stay cached
 
     def _admit_refused(self, r: Request, reason: int):
         """Count the refusal; the request waits, unless nothing could ever make room for it."""

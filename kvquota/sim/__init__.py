@@ -20,15 +20,15 @@ __all__ = [
 ]
 
 # ---- the metadata-only load test: a trace replayed under each reclaim policy --------------------
-from kvquota.sim import loadtest, loadtest_io, realcheck  # noqa: E402
+from kvquota.sim import figures, loadtest, loadtest_io, realcheck  # noqa: E402
+from kvquota.sim.figures import summarize  # noqa: E402
 from kvquota.sim.loadtest import (  # noqa: E402
     POLICIES,
     CostConstants,
     LoadConfig,
     Replay,
     devices_needed,
-    summarize,
 )
 
-__all__ += ["loadtest", "loadtest_io", "realcheck", "POLICIES", "CostConstants", "LoadConfig",
+__all__ += ["figures", "loadtest", "loadtest_io", "realcheck", "POLICIES", "CostConstants", "LoadConfig",
             "Replay", "devices_needed", "summarize"]

@@ -15,17 +15,7 @@ trace through it on the scheduler's clock (each step moves it by its modelled se
   recomputation from the block tables) is measured after every event, every `drift_every` steps
   and at the end.
 
-What `replay` reports per policy, overall and per tenant (`summarize`), in modelled seconds:
-  ttft: first token's clock - arrival (a later turn's arrival: previous turn's end + think_s);
-  tpot: (last token's clock - first token's clock) / (tokens - 1), requests of >= 2 tokens;
-  step jitter: |step_s - median of the previous `jitter_window` steps' step_s| over the steps
-    that ran a batch (a step far from the recent ones: a stall a user sees mid-stream);
-  goodput: output tokens of requests that ended normally (length / stop) with ttft <= slo_ttft_s
-    and tpot <= slo_tpot_s, per modelled second of the whole run;
-  fragmentation: bytes of unused token slots in the blocks held by the step's running rows
-    (table entries x block size - cached tokens, at pool 0's bytes per token; the executor's
-    `slack_tokens`): capacity the ledger counts as used that holds no token. (Free but not
-    allocatable pool capacity is nil by construction: cold blocks count as free and are reused.)
+What a replay reports per policy, and how each figure is defined: `kvquota.sim.figures`.
 """
 
 from __future__ import annotations
@@ -33,8 +23,9 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import heapq
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -52,7 +43,6 @@ from kvquota.state import StateConfig
 
 POLICIES = tuple(PRESETS)  # tiered, preempt-all, swap-all, evict-first, grow-no-admit
 H200_HBM_BYTES = 141e9  # H200 SXM: 141 GB HBM3e
-DONE = ("length", "stop")  # finishes that count toward goodput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +74,9 @@ class CostConstants:
 class LoadConfig:
     """The load test's pool, scheduler sizes and SLOs. Pools: pool 0 of `blocks`, a compressed
     pool (`compress_format`) of blocks * compressed_fraction, a host pool of blocks *
-    host_fraction. devices None: as many as hold the pool and the weights (`devices_needed`)."""
+    host_fraction. devices None: as many as hold the pool and the weights (`devices_needed`).
+    patience_s: a client cancels a request that has waited this long without being admitted
+    (refused "timed out"; `Replay._abandon`); None: clients wait for ever."""
 
     model: str = "qwen2.5-72b"
     kv_format: str = "bf16"
@@ -106,6 +98,7 @@ class LoadConfig:
     jitter_window: int = 32
     drift_every: int = 1000
     max_steps: int = 1_000_000
+    patience_s: Optional[float] = None
     cost: CostConstants = CostConstants()
 
     def __post_init__(self):
@@ -120,6 +113,8 @@ class LoadConfig:
         if not (0 <= self.compressed_fraction <= 1 and 0 <= self.host_fraction <= 4) or \
                 min(self.slo_ttft_s, self.slo_tpot_s) <= 0:
             raise InvalidArgumentError("fractions in [0, 1] (host: [0, 4]) and SLOs > 0")
+        if self.patience_s is not None and not 0 < self.patience_s < math.inf:
+            raise InvalidArgumentError(f"patience_s must be None or > 0: {self.patience_s!r}")
 
 
 def state_config(cfg: LoadConfig) -> StateConfig:
@@ -202,6 +197,7 @@ class Replay:
         self.trace_id = {}  # scheduler request -> trace request id
         self._compacted = 0  # requests before this index are ended and compacted
         self._next = [0, 0]  # the next arrival (of `arrivals`) and trace event to hand over
+        self._deadlines, self._watched = [], 0  # heap of (arrival + patience, request id)
         self._stepped_out = False  # the stepping is over (`run` then only finishes)
 
     def _ids(self, r) -> list:
@@ -287,7 +283,7 @@ class Replay:
             self._next = [i, j]
             nxt = min(items[i].arrival_s if i < len(items) else math.inf,
                       events[j].time_s if j < len(events) else math.inf)
-            s.wake_s = nxt if self.step_clock is None else math.inf
+            s.wake_s = min(nxt, self._abandon()) if self.step_clock is None else math.inf
             if s.done and nxt == math.inf:
                 return False
             rec = s.step()
@@ -298,13 +294,34 @@ class Replay:
                 self._check_drift("every")
                 self._compact()
             if not (rec["decode_rows"] or rec["prefill_rows"] or s._progress):
-                later = min(nxt, s._due[1])  # stalled until the next arrival, if any
+                later = min(nxt, s._due[1], s.wake_s)  # stalled until the next arrival, if any
                 if later == math.inf or self.step_clock is not None and not s.pending and \
                         i == len(items) and j == len(events):
                     return False
                 if self.step_clock is None:
                     s.clock = max(s.clock, later)
         return False
+
+    def _abandon(self) -> float:
+        """Clients out of patience (`LoadConfig.patience_s`) cancel their requests that wait
+        unadmitted, counted from arrival: never admitted, or preempted before a first token
+        (a client that is reading a stream does not give up). Returns the next deadline."""
+        if self.cfg.patience_s is None:
+            return math.inf
+        s, heap = self.sched, self._deadlines
+        for r in s.requests[self._watched:]:
+            arrived = r.arrival_s if r.arrival_s is not None else r.arrival * self.step_clock
+            heapq.heappush(heap, (arrived + self.cfg.patience_s, r.id))
+        self._watched = len(s.requests)
+        while heap:  # due or no longer waiting: off the heap (admitted ones never come back)
+            r = s.requests[heap[0][1]]
+            waiting = r.status in ("pending", "queued") and not r.tokens
+            if waiting and heap[0][0] > self.now():
+                return heap[0][0]
+            heapq.heappop(heap)
+            if waiting:
+                s.cancel(r, "timed out")
+        return math.inf
 
     def fork(self, policy: str, on_step: Optional[Callable[[dict], None]] = None) -> Replay:
         """This replay, stopped before the trace's first event (`run(until_first_event=True)`),
@@ -376,67 +393,3 @@ class Replay:
                         "resume_bytes": r.resume_bytes, "lossy": r.lossy,
                         "refusals": r.refusals})
         return out
-
-
-# ---- the figures ----------------------------------------------------------------------------------
-
-def _pct(x, q) -> Optional[float]:
-    return float(np.percentile(x, q)) if len(x) else None
-
-
-def jitter(step_s: Sequence[float], window: int) -> np.ndarray:
-    """|step_s[i] - median(step_s[i - window: i])| for each step after the first."""
-    x = np.asarray(step_s, float)
-    return np.asarray([abs(x[i] - np.median(x[max(0, i - window): i]))
-                       for i in range(1, len(x))])
-
-
-def latency_figures(reqs: list[dict], cfg: LoadConfig, seconds: float) -> dict:
-    ttft = [r["ttft_s"] for r in reqs if r["ttft_s"] is not None]
-    tpot = [r["tpot_s"] for r in reqs if r["tpot_s"] is not None]
-    good = sum(r["output_tokens"] for r in reqs if r["finish"] in DONE and
-               r["ttft_s"] is not None and r["ttft_s"] <= cfg.slo_ttft_s and
-               (r["tpot_s"] or 0.0) <= cfg.slo_tpot_s)
-    refused = collections.Counter(r["finish"] for r in reqs if r["status"] == "refused")
-    return {"requests": len(reqs), "finished": sum(r["status"] == "finished" for r in reqs),
-            "completed": sum(r["finish"] in DONE for r in reqs),
-            "output_tokens": sum(r["output_tokens"] for r in reqs),
-            "p50_ttft_s": _pct(ttft, 50), "p99_ttft_s": _pct(ttft, 99),
-            "p50_tpot_s": _pct(tpot, 50), "p99_tpot_s": _pct(tpot, 99),
-            "preemptions": sum(r["preemptions"] for r in reqs),
-            "suspensions": sum(r["suspensions"] for r in reqs),
-            "refused_requests": dict(refused),
-            "goodput": good / seconds if seconds > 0 else 0.0, "good_tokens": good}
-
-
-def summarize(replay: Replay, reqs: list[dict]) -> dict:
-    """The policy's figures, overall and per tenant (see the module docstring)."""
-    cfg, s, samples = replay.cfg, replay.sched, replay.samples
-    seconds = s.clock
-    ran = [p["step_s"] for p in samples if p["decode_rows"] or p["prefill_rows"]]
-    jit = jitter(ran, cfg.jitter_window)
-    summary = s.summary()
-    out = latency_figures(reqs, cfg, seconds)
-    out.update({
-        "preemptions": summary["preemptions"], "suspensions": summary["suspensions"],
-        "refusals": summary["refusals"],  # every refusal (an admission retried counts again)
-        "p99_step_jitter_s": _pct(jit, 99), "p50_step_s": _pct(ran, 50),
-        "p99_step_s": _pct(ran, 99), "steps": s.t, "busy_steps": len(ran),
-        "modelled_seconds": seconds, "steps_capped": replay.steps_capped,
-        "never_submitted": len(replay.trace.requests) - len(reqs),
-        "ledger_drift_bytes_max": max(max(d["bytes"], d["tokens"]) for d in replay.drift),
-        "drift_checks": len(replay.drift),
-        "fragmentation_bytes_max": max((p["fragmentation_bytes"] for p in samples), default=0),
-        "fragmentation_bytes_mean": (float(np.mean([p["fragmentation_bytes"] for p in samples]))
-                                     if samples else 0.0),
-        "bytes_max": {k: max((p["bytes"][k] for p in samples), default=0)
-                      for k in metrics.TIERS},
-        "resume_tokens_paid": summary["resume_tokens_paid"],
-        "resume_bytes_paid": summary["resume_bytes_paid"],
-        "finishes": summary["finishes"], "events": summary["events"],
-    })
-    by_tenant = collections.defaultdict(list)
-    for r in reqs:
-        by_tenant[str(r["tenant"])].append(r)
-    out["tenants"] = {t: latency_figures(rs, cfg, seconds) for t, rs in sorted(by_tenant.items())}
-    return out

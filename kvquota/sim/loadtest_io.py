@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from kvquota.serving.metrics import read_json_lines
+from kvquota.sim import figures
 from kvquota.sim import loadtest as lt
 from kvquota.sim.trace_io import save_trace
 from kvquota.sim.trace_io import trace_summary
@@ -77,7 +78,7 @@ def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths) -> list:
                 write(p)
             rp.run()
         reqs = rp.request_records()
-        result = lt.summarize(rp, reqs)
+        result = figures.summarize(rp, reqs)
         result["drift_checks_log"] = rp.drift
         result["shared_steps"] = shared_steps  # steps before the first event, run once
         result["shared_wall_s"] = shared_s  # their wall, shared by `policies`

@@ -13,6 +13,7 @@ import kvquota as kq
 from configs.models import get_model_config
 from kvquota.serving import CostModelExecutor, Request, Scheduler
 from kvquota.serving.executors import pool_of, weight_count
+from kvquota.sim import figures
 from kvquota.sim import loadtest as lt
 from kvquota.sim.traces import TraceConfig, generate_trace
 
@@ -177,15 +178,15 @@ def test_sessions_arrive_think_s_after_the_previous_turn(replays):
 @pytest.mark.slow  # the five-policy replay fixture (~15 s): the default run's budget
 def test_policies_differ_on_the_same_trace(replays):
     _, out = replays
-    figures = {p: lt.summarize(rp, reqs) for p, (rp, reqs) in out.items()}
-    assert figures["preempt-all"]["preemptions"] > 0
-    assert figures["swap-all"]["suspensions"] > 0
+    by_policy = {p: figures.summarize(rp, reqs) for p, (rp, reqs) in out.items()}
+    assert by_policy["preempt-all"]["preemptions"] > 0
+    assert by_policy["swap-all"]["suspensions"] > 0
     assert len({(f["preemptions"], f["suspensions"], f["resume_tokens_paid"],
-                 f["resume_bytes_paid"]) for f in figures.values()}) > 2
+                 f["resume_bytes_paid"]) for f in by_policy.values()}) > 2
 
 
 def test_jitter_is_the_distance_from_the_recent_median():
-    got = lt.jitter([1.0, 1.0, 1.0, 5.0, 1.0], window=2)
+    got = figures.jitter([1.0, 1.0, 1.0, 5.0, 1.0], window=2)
     assert got.tolist() == [0.0, 0.0, 4.0, 2.0]
 
 
@@ -198,7 +199,7 @@ def test_goodput_counts_tokens_of_requests_within_both_slos():
             dict(base, ttft_s=0.5, tpot_s=None, output_tokens=1),  # one token: TTFT only
             dict(base, finish="released: lease_expiry", ttft_s=0.1, tpot_s=0.01,
                  output_tokens=80)]
-    got = lt.latency_figures(reqs, cfg, seconds=2.0)
+    got = figures.latency_figures(reqs, cfg, seconds=2.0)
     assert got["good_tokens"] == 11 and got["goodput"] == 5.5
     assert got["completed"] == 4 and got["p50_ttft_s"] == 0.5
 
@@ -221,6 +222,39 @@ def test_compacting_ended_requests_changes_nothing(monkeypatch):
     assert compacted.sched.summary() == kept.sched.summary()
     for a, b in zip(compacted.sched.requests, kept.sched.requests):
         assert list(a.prompt) == list(b.prompt) and list(a.tokens) == list(b.tokens)
+
+
+def test_clients_out_of_patience_cancel_what_waits_unadmitted():
+    """patience_s: a request not admitted within patience_s of its arrival is refused 'timed
+    out' at the first step past its deadline, never admitted, its session over; every request
+    admitted was admitted before its deadline. Zero drift, invariants hold. A patience longer
+    than any wait changes no step or request record."""
+    trace, ex, patience = small_trace(requests=80), lt.executor(SMALL), 0.5
+    runs = {}
+    for p in (None, patience, 1e6):
+        rp = lt.Replay(dataclasses.replace(SMALL, patience_s=p), trace, "tiered", ex=ex)
+        rp.run()
+        kq.check_invariants(rp.sc, rp.sched.state)
+        assert all(d["bytes"] == d["tokens"] == 0 for d in rp.drift)
+        runs[p] = rp, rp.request_records()
+    (patient, patient_reqs), (rp, reqs) = runs[None], runs[patience]
+    waits = [patient.clock_at[r.admitted_step] - r.arrival_s for r in patient.sched.requests
+             if r.admitted_step >= 0]
+    assert max(waits) > patience  # without patience some wait longer
+    gone = [r for r in rp.sched.requests if r.finish == "timed out"]
+    assert gone and figures.summarize(rp, reqs)["refused_requests"]["timed out"] == len(gone)
+    for r in gone:  # cancelled as the first step past its deadline began (clock_at: starts)
+        assert r.admitted_step == -1 and len(r.tokens) == 0 and r.status == "refused"
+        assert rp.clock_at[r.finished_step] == r.finish_s
+        assert rp.clock_at[r.finished_step - 1] < r.arrival_s + patience <= r.finish_s
+        if r.session is not None:
+            assert r.session.ended and r.session.requests[-1] is r
+    for r in rp.sched.requests:
+        if r.admitted_step >= 0:
+            assert rp.clock_at[r.admitted_step] < r.arrival_s + patience
+    (forever, forever_reqs) = runs[1e6]
+    assert _no_wall(forever.samples) == _no_wall(patient.samples)
+    assert forever_reqs == patient_reqs
 
 
 def _no_wall(samples):
