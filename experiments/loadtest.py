@@ -16,6 +16,9 @@ holds the trace (trace.jsonl: replay it with --trace), one JSON line per step (p
 per request (requests.jsonl), metrics.json, summary.md (the table) and the plots
 latency_cdf.png and bytes_timeline.png, drawn from those files only.
 The policies run in --jobs worker processes (default: one per CPU core), with the same files.
+--patience_s=S models clients that give up: a request not admitted within S seconds of its
+arrival is cancelled and counted as refused "timed out" (off by default: clients wait for
+ever, so a tenant cut below its arrival rate builds a queue without bound).
 The ledger drift must be 0 at every check (every event, every --drift_every steps, the end):
 otherwise the run is written and the program exits with status 1. --real_check also runs the
 small real case (`kq.sim.realcheck`: SmolLM2-135M on CPU, measured step times against the cost

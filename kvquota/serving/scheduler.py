@@ -117,7 +117,6 @@ class Scheduler(Intake):
 
     def step(self) -> dict:
         marks = (time.perf_counter(), self.syncs, self.executor.syncs, self.facade_calls)
-        self.counters.new_step()
         self._host_bytes, self._progress = 0, bool(self._release)
         self._free_finished()
         if not (self.live or self._release or any(self.queues.values())) and \
@@ -146,6 +145,7 @@ class Scheduler(Intake):
         charged = out.charged if out is not None and not self._dirty else self._read(
             self.state.tenants.charged_blocks)
         rec = metrics.record_step(self, out, dec, pre, charged, kinds, marks)
+        self.counters.new_step()  # what happens before the next step (a cancel) counts in it
         self.records.append(rec)
         if self.on_step is not None:
             self.on_step(rec)

@@ -76,6 +76,8 @@ def test_run_directory_and_an_exact_replay_of_its_trace_in_one_process(tiny, tmp
     (["--policies=tiered,bogus"], "policies"),
     (["--rate=-1"], "rate"),
     (["--mfu=2"], "mfu"),
+    (["--patience_s=-1"], "patience_s"),
+    (["--patience_s=inf"], "patience_s"),
     (["--trace=/no/such/trace.jsonl"], "no such file"),
     (["extra"], "positional"),
 ])

@@ -226,9 +226,9 @@ def test_compacting_ended_requests_changes_nothing(monkeypatch):
 
 def test_clients_out_of_patience_cancel_what_waits_unadmitted():
     """patience_s: a request not admitted within patience_s of its arrival is refused 'timed
-    out' at the first step past its deadline, never admitted, its session over; every request
-    admitted was admitted before its deadline. Zero drift, invariants hold. A patience longer
-    than any wait changes no step or request record."""
+    out' at the first step past its deadline (counted in that step's record), never admitted,
+    its session over; every request admitted was admitted before its deadline. Zero drift,
+    invariants hold. A patience longer than any wait changes no step or request record."""
     trace, ex, patience = small_trace(requests=80), lt.executor(SMALL), 0.5
     runs = {}
     for p in (None, patience, 1e6):
@@ -243,6 +243,7 @@ def test_clients_out_of_patience_cancel_what_waits_unadmitted():
     assert max(waits) > patience  # without patience some wait longer
     gone = [r for r in rp.sched.requests if r.finish == "timed out"]
     assert gone and figures.summarize(rp, reqs)["refused_requests"]["timed out"] == len(gone)
+    assert sum(p["refusals"].get("timed out", 0) for p in rp.samples) == len(gone)  # per step
     for r in gone:  # cancelled as the first step past its deadline began (clock_at: starts)
         assert r.admitted_step == -1 and len(r.tokens) == 0 and r.status == "refused"
         assert rp.clock_at[r.finished_step] == r.finish_s
