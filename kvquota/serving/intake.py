@@ -79,9 +79,9 @@ class Intake:
         """A client gives up on a request that holds no KV: pending, or queued (never admitted,
         or preempted and waiting to be re-admitted). It leaves its queue, refused with
         `reason` at this clock and step (finish_s, finished_step), and its session ends: the
-        sequence its previous turn left IDLE is freed.
-        Any other request raises InvalidArgumentError, nothing changed (one being prefilled may
-        not be freed before its K/V are written: `Allocator.free`)."""
+        sequence its previous turn left IDLE is freed. Any other request raises
+        InvalidArgumentError, nothing changed (one being prefilled may not be freed before its
+        K/V are written: `Allocator.free`)."""
         if not (0 <= request.id < len(self.requests) and self.requests[request.id] is request):
             raise InvalidArgumentError(f"cancel: request {request.id} is not this scheduler's")
         if request.status not in ("pending", "queued"):

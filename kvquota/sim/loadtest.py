@@ -114,7 +114,8 @@ class LoadConfig:
                 min(self.slo_ttft_s, self.slo_tpot_s) <= 0:
             raise InvalidArgumentError("fractions in [0, 1] (host: [0, 4]) and SLOs > 0")
         if self.patience_s is not None and not 0 < self.patience_s < math.inf:
-            raise InvalidArgumentError(f"patience_s must be None or > 0: {self.patience_s!r}")
+            raise InvalidArgumentError(f"patience_s must be None or finite and > 0: "
+                                       f"{self.patience_s!r}")
 
 
 def state_config(cfg: LoadConfig) -> StateConfig:
@@ -283,7 +284,8 @@ class Replay:
             self._next = [i, j]
             nxt = min(items[i].arrival_s if i < len(items) else math.inf,
                       events[j].time_s if j < len(events) else math.inf)
-            s.wake_s = min(nxt, self._abandon()) if self.step_clock is None else math.inf
+            deadline = self._abandon()
+            s.wake_s = min(nxt, deadline) if self.step_clock is None else math.inf
             if s.done and nxt == math.inf:
                 return False
             rec = s.step()
@@ -303,9 +305,10 @@ class Replay:
         return False
 
     def _abandon(self) -> float:
-        """Clients out of patience (`LoadConfig.patience_s`) cancel their requests that wait
-        unadmitted, counted from arrival: never admitted, or preempted before a first token
-        (a client that is reading a stream does not give up). Returns the next deadline."""
+        """Clients out of patience (`LoadConfig.patience_s`, counted from arrival, in `now`'s
+        time) cancel their requests that wait without a token: pending or queued, never
+        admitted (one admitted has its first token coming, and a client reading a stream does
+        not give up). Returns the next deadline."""
         if self.cfg.patience_s is None:
             return math.inf
         s, heap = self.sched, self._deadlines

@@ -258,6 +258,20 @@ def test_clients_out_of_patience_cancel_what_waits_unadmitted():
     assert forever_reqs == patient_reqs
 
 
+def test_on_a_step_clock_patience_counts_steps():
+    """A replay on a step clock (the real check's: arrivals by step) times its clients out at
+    steps x step_clock, the first step past arrival + patience."""
+    cfg, tick = dataclasses.replace(SMALL, patience_s=0.5), 0.02
+    rp = lt.Replay(cfg, small_trace(requests=80), "tiered", ex=lt.executor(SMALL),
+                   step_clock=tick)
+    rp.run()
+    kq.check_invariants(rp.sc, rp.sched.state)
+    gone = [r for r in rp.sched.requests if r.finish == "timed out"]
+    assert gone and all(r.arrival_s is None and r.admitted_step == -1 for r in gone)
+    for r in gone:
+        assert (r.finished_step - 1) * tick < r.arrival * tick + 0.5 <= r.finished_step * tick
+
+
 def _no_wall(samples):
     return [{k: v for k, v in p.items() if k != "wall_s"} for p in samples]
 
