@@ -354,12 +354,22 @@ class Allocator(TierOps, ReclaimOps):
                              allowed=(SEQ_RUNNING, SEQ_SUSPENDED, SEQ_IDLE, SEQ_PREEMPTED))
         if len(np.unique(real)) != len(real):
             raise DoubleFreeError("free: a sequence appears twice in one call")
-        rows = pad(real, bucket(len(real)))
+        rows, cols = pad(real, bucket(len(real))), self._table_cols(state, real)
         heirs = None  # most frees orphan nothing: then no other row's entries are listed or read
-        if bool(core.leaves_orphans(self.config, state, rows)):
+        if bool(core.leaves_orphans(self.config, state, rows, cols)):
             ten = np.asarray(state.seqs.seq_tenant)[real]
             heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
-        return core.run("drop", self.config, state, rows, heirs, None, 0, donate=donate)
+        return core.run("drop", self.config, state, rows, heirs, None, 0, cols, donate=donate)
+
+    def _table_cols(self, state, ids) -> int:
+        """Table columns holding every entry of sequences `ids` (a table holds exactly its first
+        ceil(len / P) entries): 16 x a power of 4, at most max_blocks_per_seq, so a free reads
+        the blocks its rows hold, not whole tables, in a few compiled sizes."""
+        p, cols = self.config.block_size, 16
+        held = int(np.max((np.asarray(state.seqs.seq_lens)[ids] + p - 1) // p, initial=0))
+        while cols < held:
+            cols *= 4
+        return min(cols, self.config.max_blocks_per_seq)
 
     def release_plan(self, state, tenant, unpin=False):
         """Host-side inputs of the jitted release (tenant's rows, heir rows, pin slots)."""

@@ -22,7 +22,7 @@ _CORES = {
     "fork": (admission.fork, ()),
     "pin": (pins.pin, ()),
     "unpin": (pins.unpin, ()),
-    "drop": (release.drop_sequences, (5,)),  # unpin_slots sizes an array
+    "drop": (release.drop_sequences, (5, 6)),  # unpin_slots and cols size arrays
     "set_tenant": (tenants.set_tenant, ()),
     "offload": (tiers.offload, ()),
     "restore": (tiers.restore, ()),
@@ -53,7 +53,7 @@ ledger = jax.jit(tenants.ledger, static_argnums=(0,))
 compress_count = jax.jit(compress.count, static_argnums=(0,))
 evict_fresh_count = jax.jit(evict.fresh_count, static_argnums=(0,))
 evict_block_fresh_count = jax.jit(evict.fresh_block_count, static_argnums=(0,))
-leaves_orphans = jax.jit(release.leaves_orphans, static_argnums=(0,))  # free's heirs needed?
+leaves_orphans = jax.jit(release.leaves_orphans, static_argnums=(0, 3))  # free's heirs needed?
 own_count = jax.jit(lambda config, state, seq_ids, pool: tiers.own_blocks(
     config, state, *release.seq_rows(state, seq_ids), pool).sum(axis=1), static_argnums=(0, 3))
 

@@ -145,22 +145,25 @@ def settle(config, state, touched, heirs, reads=()):
     )
 
 
-def seq_rows(state, seq_ids):
-    """(table rows i32[B, MB], tenant column i32[B, MB]) of `seq_ids`, INVALID for padding."""
+def seq_rows(state, seq_ids, cols=None):
+    """(table rows i32[B, C], tenant column i32[B, C]) of `seq_ids`, INVALID for padding: the
+    first C columns (None: all MB), which hold every entry of a row of ceil(len / P) <= C
+    blocks (a table holds exactly its first ceil(len / P) entries: check_invariants)."""
     valid = seq_ids >= 0
     sc = clip(seq_ids)
-    rows = jnp.where(valid[:, None], state.seqs.block_tables[sc], INVALID)
+    rows = jnp.where(valid[:, None], state.seqs.block_tables[sc, :cols], INVALID)
     ten = jnp.where(valid, state.seqs.seq_tenant[sc], INVALID)
     return rows, jnp.broadcast_to(ten[:, None], rows.shape)
 
 
-def leaves_orphans(config, state, seq_ids):
+def leaves_orphans(config, state, seq_ids, cols=None):
     """bool[]: would freeing `seq_ids` (i32[K], unique, INVALID = padding) leave an orphan, a
     block still referenced and unpinned whose payer then holds no reference of its own? Exactly
     `settle`'s orphan test after `drop_sequences` drops the rows' references, so when it is
-    False the heir entries change nothing and the free may pass none. O(K x MB log(K x MB)):
-    each block's dropped references are counted by sorting the rows' entries."""
-    entries, tenant = seq_rows(state, seq_ids)
+    False the heir entries change nothing and the free may pass none. O(K x C log(K x C)) for
+    rows of at most C (static, None: MB) blocks: each block's dropped references are counted
+    by sorting the rows' entries."""
+    entries, tenant = seq_rows(state, seq_ids, cols)
     live = entries >= 0
     b = clip(entries)
     own = live & (state.blocks.payer[b] == tenant)
@@ -177,9 +180,11 @@ def leaves_orphans(config, state, seq_ids):
     return orphan.any()
 
 
-def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_slots=0):
+def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_slots=0,
+                   cols=None):
     """Free the sequences `seq_rows` (i32[K], unique, INVALID = padding): one reference dropped
-    per block-table entry. `heir_rows` ((rows, cols) i32[S]: table entries of live sequences
+    per block-table entry, read from the first `cols` columns (static: at least every row's
+    ceil(len / P) blocks; None: all MB), so the work follows the blocks held. `heir_rows` ((rows, cols) i32[S]: table entries of live sequences
     disjoint from `seq_rows`) are the entries that may inherit charges.
 
     With `unpin_tenant` (a traced i32 scalar) and `unpin_slots` > 0 (static: an upper bound on that
@@ -189,7 +194,8 @@ def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_
     valid = seq_rows >= 0
     rc = clip(seq_rows)
     ten = jnp.where(valid, state.seqs.seq_tenant[rc], INVALID)
-    entries = materialize(jnp.where(valid[:, None], state.seqs.block_tables[rc], INVALID))  # K, MB
+    entries = materialize(jnp.where(valid[:, None], state.seqs.block_tables[rc, :cols],
+                                    INVALID))  # K, C
     live = entries >= 0
     lens = jnp.where(valid, state.seqs.seq_lens[rc], 0)
     heirs = heir_inputs(state, heir_rows)

@@ -6,6 +6,8 @@ per-tenant queues, refusals with a reason, and a client's cancellation of a wait
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from kvquota.codes import INT32_MAX
@@ -15,10 +17,17 @@ from kvquota.serving.metrics import Request, Session, check_request
 
 
 class Intake:
-    """How a Scheduler takes requests in: submit (checked, typed errors, nothing queued on
-    error), sessions (turn k+1 submitted when turn k finishes), arrivals into the per-tenant
-    queues (a session's next turn, whose KV is held, at the front), refusals with a reason,
-    cancellation of a request still waiting."""
+    """How a Scheduler takes tenants and requests in: registration, submit (checked, typed
+    errors, nothing queued on error), sessions (turn k+1 submitted when turn k finishes),
+    arrivals into the per-tenant queues (a session's next turn, whose KV is held, at the
+    front), refusals with a reason, cancellation of a request still waiting."""
+
+    def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
+                        share_group: Optional[int] = None, lease_expiry: int = INT32_MAX):
+        report = self._op("register_tenant", tenant, token_quota=token_quota, byte_quota=byte_quota,
+                          share_group=share_group, lease_expiry=lease_expiry)
+        self.tenants[int(tenant)] = dict(group=share_group, expired=False)
+        return report
 
     def submit(self, request: Request) -> Request:
         """Queue a request for its arrival step; bad input raises a typed error, nothing queued."""

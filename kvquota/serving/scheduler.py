@@ -84,14 +84,6 @@ class Scheduler(Intake):
         self.m = HostMirror(self.state, self.config if executor.cost_model else None)
         self.quota = QuotaView(self.config)
 
-    # ---- tenants and requests ----------------------------------------------------------------
-    def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
-                        share_group: Optional[int] = None, lease_expiry: int = INT32_MAX):
-        report = self._op("register_tenant", tenant, token_quota=token_quota, byte_quota=byte_quota,
-                          share_group=share_group, lease_expiry=lease_expiry)
-        self.tenants[int(tenant)] = dict(group=share_group, expired=False)
-        return report
-
     # ---- the step ----------------------------------------------------------------------------
     @property
     def done(self) -> bool:  # nothing pending, queued, live, to free, or to happen
@@ -386,11 +378,23 @@ class Scheduler(Intake):
     # ---- the executor step -------------------------------------------------------------------
     def _absorb(self, out, dec, pre):
         rows, m, appended = len(dec), self.m, out.appended[: len(dec)]
-        grown = np.asarray([r.seq for r in dec], np.int64)[appended]  # unique slots
+        seqs = np.fromiter((r.seq for r in dec), np.int64, rows)  # unique slots
+        grown = seqs[appended]
         m.length[grown], m.position[grown] = m.length[grown] + 1, m.position[grown] + 1
         tokens, reasons, refused = out.dec_next[:rows].tolist(), out.reason[:rows].tolist(), []
-        for r, ok, token, reason in zip(dec, appended.tolist(), tokens, reasons):
-            self._took(r, token) if ok else refused.append((r, reason))
+        c, clock = self.config, self.clock  # a row whose table or context is now full ends
+        at_end = ((m.length[seqs] >= c.max_tokens_per_seq)
+                  | (m.position[seqs] >= c.model.max_context)).tolist()
+        for r, ok, token, reason, end in zip(dec, appended.tolist(), tokens, reasons, at_end):
+            if not ok:
+                refused.append((r, reason))
+                continue
+            got = r.tokens  # `_took`, inlined: this loop runs for every decode row
+            if not got:
+                r.first_token_s = clock
+            got.append(token)
+            if end or len(got) >= r.max_new_tokens or token in r.stop_ids:
+                self._finish(r, self._why(r, token))
         self.counters.add("generated_tokens", len(grown))
         for j, (r, n) in enumerate(pre):
             r.prefilled += n
@@ -412,14 +416,16 @@ class Scheduler(Intake):
 
     def _took(self, r: Request, token: int):
         """r sampled `token` (the caller counts the generated tokens); it may end here."""
-        if not r.tokens:
-            r.first_token_s = self.clock
+        r.first_token_s = self.clock if not r.tokens else r.first_token_s
         r.tokens.append(token)
-        why = ("stop" if token in r.stop_ids else "length" if len(r.tokens) >= r.max_new_tokens
-               else "table full" if self.m.length[r.seq] >= self.config.max_tokens_per_seq
-               else "context" if self.m.position[r.seq] >= self.config.model.max_context else "")
-        if why:
-            self._finish(r, why)
+        if self._why(r, token):
+            self._finish(r, self._why(r, token))
+
+    def _why(self, r: Request, token: int) -> str:  # why r ends after `token` ("": it goes on)
+        return ("stop" if token in r.stop_ids else "length" if len(r.tokens) >= r.max_new_tokens
+                else "table full" if self.m.length[r.seq] >= self.config.max_tokens_per_seq
+                else "context" if self.m.position[r.seq] >= self.config.model.max_context
+                else "")
 
     def _finish(self, r: Request, why: str):
         r.status, r.finish, r.finished_step, r.finish_s = "finished", why, self.t, self.clock

@@ -118,6 +118,7 @@ def test_donated_cores_update_in_place():
         "pin": (core.compiled("pin", donate=True), (i32([0, 1]),)),
         "unpin": (core.compiled("unpin", donate=True), (i32([0, 1]), heirs)),
         "free": (core.compiled("drop", donate=True), (i32([0, 1]), heirs, None, 0)),
+        "free_16_columns": (core.compiled("drop", donate=True), (i32([0, 1]), heirs, None, 0, 16)),
         "release_unpin": (core.compiled("drop", donate=True), (i32([0, 1]), None, np.int32(0), 4)),
     }
     big = re.compile(r"= \w+\[(%d|37,29)[\],].*\bcopy\(" % config.total_blocks)
