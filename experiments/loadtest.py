@@ -30,7 +30,9 @@ model's ranking of the policies, H200 and CPU-calibrated; ~6 minutes here, so of
 Compiling every shape at 2^20 blocks takes minutes per worker; the programs go to jax's
 persistent cache (`experiments.cli.compilation_cache`: ~/.cache/kvquota/jax, KVQUOTA_JAX_CACHE=
 turns it off), so a rerun on the same machine loads them, and metrics.json names the cache
-(`compilation_cache`) beside wall_seconds.
+(`compilation_cache`) beside wall_seconds. Each policy's entry says how much of its wall_s went
+to jax tracing, lowering and compiling (or loading from the cache): compile_s, of
+compiled_programs programs (shared_compile_s of it before the first event).
 
 Step jitter is |step_s - median of the previous --jitter_window busy steps' step_s|; goodput is
 the output tokens of requests that ended normally within --slo_ttft_s and --slo_tpot_s, per

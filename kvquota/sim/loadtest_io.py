@@ -19,6 +19,7 @@ import pathlib
 import shutil
 import time
 
+import jax
 import numpy as np
 
 from kvquota.serving.metrics import read_json_lines
@@ -60,17 +61,40 @@ def _point_writer(points):
                                   + "\n")
 
 
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")  # the last: XLA, or a cache load
+# Per-policy fields that measure the process, not the replay (they differ run to run).
+PROCESS_FIELDS = ("wall_s", "shared_wall_s", "compile_s", "shared_compile_s", "compiled_programs")
+_compiling = {"seconds": 0.0, "programs": 0, "listening": False}  # this process's, so far
+
+
+def _compile_totals() -> tuple[float, int]:
+    """(seconds tracing, lowering and compiling, programs compiled) in this process so far, from
+    jax.monitoring (a persistent-cache hit counts as a compile that took its load time)."""
+    if not _compiling["listening"]:
+        def on_duration(event, seconds, **_):
+            if event in COMPILE_EVENTS:
+                _compiling["seconds"] += seconds
+                _compiling["programs"] += event == COMPILE_EVENTS[-1]
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        _compiling["listening"] = True
+    return _compiling["seconds"], _compiling["programs"]
+
+
 def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths) -> list:
     """Each policy's replay: [(summary, request records)] in `policies` order. The stretch
     before the trace's first event is replayed once and forked per policy (`Replay.fork`: the
     same steps a fresh replay gives); each policy's step samples, that stretch's included, are
     appended to its `points_paths` file (JSONL). Top-level, so worker processes can run it."""
-    start = time.perf_counter()
+    start, (compile0, programs0) = time.perf_counter(), _compile_totals()
     base = lt.Replay(cfg, trace, policies[0], ex=lt.executor(cfg))  # one jit cache for all
     base.run(until_first_event=True)
     shared_s, shared_steps, out = time.perf_counter() - start, base.sched.t, []
+    shared_compile = _compile_totals()
     for policy, path in zip(policies, points_paths):
-        begin = time.perf_counter()
+        begin, (compile1, programs1) = time.perf_counter(), _compile_totals()
         with open(path, "a") as points:
             write = _point_writer(points)
             rp = base.fork(policy, on_step=write)
@@ -83,6 +107,10 @@ def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths) -> list:
         result["shared_steps"] = shared_steps  # steps before the first event, run once
         result["shared_wall_s"] = shared_s  # their wall, shared by `policies`
         result["wall_s"] = shared_s + time.perf_counter() - begin
+        compile2, programs2 = _compile_totals()  # of wall_s: compiling (as shared_wall_s)
+        result["shared_compile_s"] = shared_compile[0] - compile0
+        result["compile_s"] = result["shared_compile_s"] + compile2 - compile1
+        result["compiled_programs"] = shared_compile[1] - programs0 + programs2 - programs1
         out.append((result, reqs))
     return out
 

@@ -13,7 +13,7 @@ import kvquota as kq
 from configs.models import get_model_config
 from kvquota.serving import CostModelExecutor, Request, Scheduler
 from kvquota.serving.executors import pool_of, weight_count
-from kvquota.sim import figures
+from kvquota.sim import figures, loadtest_io
 from kvquota.sim import loadtest as lt
 from kvquota.sim.traces import TraceConfig, generate_trace
 
@@ -301,3 +301,15 @@ def test_a_fork_before_the_first_event_replays_like_a_fresh_replay():
     kq.check_invariants(base.sc, base.sched.state)  # not donated away by the twin's steps
     with pytest.raises(kq.InvalidArgumentError, match="before its first trace event"):
         twin.fork("tiered")
+
+
+def test_compile_totals_count_each_new_program_once():
+    """The per-policy compile_s and compiled_programs come from these totals: a program new to
+    the process counts once, with its time; calling it again adds nothing (jit's cache)."""
+    seconds0, programs0 = loadtest_io._compile_totals()
+    fn = jax.jit(lambda x: x * 3 + 1)
+    fn(np.arange(7))
+    seconds1, programs1 = loadtest_io._compile_totals()
+    fn(np.arange(7))
+    assert programs1 == programs0 + 1 and seconds1 > seconds0
+    assert loadtest_io._compile_totals() == (seconds1, programs1)
