@@ -184,8 +184,9 @@ def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_
                    cols=None):
     """Free the sequences `seq_rows` (i32[K], unique, INVALID = padding): one reference dropped
     per block-table entry, read from the first `cols` columns (static: at least every row's
-    ceil(len / P) blocks; None: all MB), so the work follows the blocks held. `heir_rows` ((rows, cols) i32[S]: table entries of live sequences
-    disjoint from `seq_rows`) are the entries that may inherit charges.
+    ceil(len / P) blocks; None: all MB), so the work follows the blocks held. `heir_rows`
+    ((rows, cols) i32[S]: table entries of live sequences disjoint from `seq_rows`) are the
+    entries that may inherit charges.
 
     With `unpin_tenant` (a traced i32 scalar) and `unpin_slots` > 0 (static: an upper bound on that
     tenant's pinned blocks), also drops every pin on blocks charged to that tenant.

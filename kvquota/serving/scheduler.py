@@ -416,16 +416,16 @@ class Scheduler(Intake):
 
     def _took(self, r: Request, token: int):
         """r sampled `token` (the caller counts the generated tokens); it may end here."""
-        r.first_token_s = self.clock if not r.tokens else r.first_token_s
+        if not r.tokens:
+            r.first_token_s = self.clock
         r.tokens.append(token)
-        if self._why(r, token):
-            self._finish(r, self._why(r, token))
+        if why := self._why(r, token):
+            self._finish(r, why)
 
     def _why(self, r: Request, token: int) -> str:  # why r ends after `token` ("": it goes on)
         return ("stop" if token in r.stop_ids else "length" if len(r.tokens) >= r.max_new_tokens
                 else "table full" if self.m.length[r.seq] >= self.config.max_tokens_per_seq
-                else "context" if self.m.position[r.seq] >= self.config.model.max_context
-                else "")
+                else "context" if self.m.position[r.seq] >= self.config.model.max_context else "")
 
     def _finish(self, r: Request, why: str):
         r.status, r.finish, r.finished_step, r.finish_s = "finished", why, self.t, self.clock
