@@ -16,6 +16,7 @@ compiles once per size bucket.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import jax
@@ -64,6 +65,7 @@ class Allocator(TierOps, ReclaimOps):
         if not isinstance(config, StateConfig):
             raise TypeError(f"config must be a StateConfig, got {type(config).__name__}")
         self.config = config
+        self._made = None  # weak reference to the state the last op returned
 
     # ---- state ---------------------------------------------------------------------------
     def init(self) -> KVState:
@@ -80,7 +82,20 @@ class Allocator(TierOps, ReclaimOps):
         return core.ledger(self.config, state)
 
     def _check_state(self, state):
-        validate_state(self.config, state)
+        """The state is a live one of this config. The last state an op of this allocator
+        returned is one by construction (its jitted core maps a validated state to one of the
+        same structure, shapes, dtypes and pools), so only its leaves' donation is checked:
+        the full check costs a device read, which would wait for the op to finish."""
+        validate_state(self.config, state, made=self._made is not None and self._made() is state)
+
+    def __getstate__(self):  # (pickled or copied: the weak reference is a cache, not state)
+        return {**self.__dict__, "_made": None}
+
+    def _run(self, name: str, state, *args, donate: bool = False):
+        """core.run on this config; the state returned is remembered (weakly) for `_check_state`."""
+        state, report = core.run(name, self.config, state, *args, donate=donate)
+        self._made = weakref.ref(state)
+        return state, report
 
     # ---- small host reads for validation ---------------------------------------------------
     @staticmethod
@@ -175,7 +190,7 @@ class Allocator(TierOps, ReclaimOps):
             salt = group_salt(self._nonneg("share_group", share_group, 2**31 - 1))
         if np.asarray(state.tenants.registered)[t]:
             raise TenantExistsError(f"tenant {t} is already registered")
-        return core.run("set_tenant", self.config, state, t, tq, units, lease, np.uint32(salt),
+        return self._run("set_tenant", state, t, tq, units, lease, np.uint32(salt),
                         donate=donate)
 
     def set_quota(self, state, tenant, *, token_quota=None, byte_quota=None,
@@ -188,7 +203,7 @@ class Allocator(TierOps, ReclaimOps):
         row = self._tenant_row(state, t)
         tq = row["token_quota"] if token_quota is None else self._nonneg("token_quota", token_quota)
         units = row["byte_quota"] if byte_quota is None else self._quota_units(byte_quota)
-        return core.run("set_tenant", self.config, state, t, tq, units, row["lease_expiry"],
+        return self._run("set_tenant", state, t, tq, units, row["lease_expiry"],
                         row["salt"], donate=donate)
 
     def set_lease(self, state, tenant, lease_expiry, *, donate=False):
@@ -197,7 +212,7 @@ class Allocator(TierOps, ReclaimOps):
         t = self._tenant(state, tenant)
         lease = self._nonneg("lease_expiry", lease_expiry)
         row = self._tenant_row(state, t)
-        return core.run("set_tenant", self.config, state, t, row["token_quota"], row["byte_quota"],
+        return self._run("set_tenant", state, t, row["token_quota"], row["byte_quota"],
                         lease, row["salt"], donate=donate)
 
     def expired_tenants(self, state, step: int) -> np.ndarray:
@@ -245,7 +260,7 @@ class Allocator(TierOps, ReclaimOps):
             in_prompt = real[:, None] & (np.arange(tok.shape[1])[None, :] < lens[:, None])
             if ((tok < 0) | (tok >= vocab))[in_prompt].any():
                 raise TokenIdError(f"prompt token ids must be in [0, {vocab})")
-        return core.run("admit", c, state, ten, tok, np.where(real, lens, 0).astype(np.int32), donate=donate)
+        return self._run("admit", state, ten, tok, np.where(real, lens, 0).astype(np.int32), donate=donate)
 
     def append(self, state, seq_ids, tokens, *, donate=False) -> tuple[KVState, AppendReport]:
         """Append one token to each sequence: seq_ids i32[B] (unique; INVALID = padding),
@@ -267,7 +282,7 @@ class Allocator(TierOps, ReclaimOps):
         if real_ids.size and (np.asarray(state.seqs.seq_lens)[real_ids] >= c.max_tokens_per_seq).any():
             raise SequenceTooLongError(
                 f"append: a sequence already holds {c.max_tokens_per_seq} tokens (table full)")
-        return core.run("append", c, state, ids, tok, donate=donate)
+        return self._run("append", state, ids, tok, donate=donate)
 
     def fork(self, state, seq_ids, *, donate=False) -> tuple[KVState, ForkReport]:
         """Fork running sequences (i32[B], INVALID = padding) into new slots of the same tenant:
@@ -277,7 +292,7 @@ class Allocator(TierOps, ReclaimOps):
         if ids.size == 0:
             raise InputShapeError("seq_ids must have at least one row")
         self._running(state, ids, "fork")
-        return core.run("fork", self.config, state, ids, donate=donate)
+        return self._run("fork", state, ids, donate=donate)
 
     # ---- pins ------------------------------------------------------------------------------
     def _blocks(self, state, block_ids, what):
@@ -304,7 +319,7 @@ class Allocator(TierOps, ReclaimOps):
             held = (np.asarray(state.blocks.ref_count[real]) > 0) | (np.asarray(state.blocks.pin_count[real]) > 0)
             if not held.all():
                 raise BlockStateError(f"pin: block {int(real[~held][0])} is free")
-        return core.run("pin", self.config, state, ids, donate=donate)
+        return self._run("pin", state, ids, donate=donate)
 
     def unpin_blocks(self, state, block_ids, *, donate=False) -> tuple[KVState, FreeReport]:
         """Drop one pin on each block (i32[B]); blocks held by nothing return to their pool."""
@@ -315,7 +330,7 @@ class Allocator(TierOps, ReclaimOps):
             raise BlockStateError(f"unpin: block {int(bad)} is not pinned")
         payers = np.asarray(state.blocks.payer[real]) if real.size else np.zeros(0, np.int32)
         heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[payers], [])
-        return core.run("unpin", self.config, state, ids, heirs, donate=donate)
+        return self._run("unpin", state, ids, heirs, donate=donate)
 
     def _prefix(self, state, seq_id, num_blocks):
         sid = int_scalar("seq_id", seq_id, UnknownSequenceError)
@@ -359,7 +374,7 @@ class Allocator(TierOps, ReclaimOps):
         if bool(core.leaves_orphans(self.config, state, rows, cols)):
             ten = np.asarray(state.seqs.seq_tenant)[real]
             heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
-        return core.run("drop", self.config, state, rows, heirs, None, 0, cols, donate=donate)
+        return self._run("drop", state, rows, heirs, None, 0, cols, donate=donate)
 
     def _table_cols(self, state, ids) -> int:
         """Table columns holding every entry of sequences `ids` (a table holds exactly its first
@@ -391,7 +406,7 @@ class Allocator(TierOps, ReclaimOps):
         if not isinstance(unpin, bool):
             raise InputDtypeError(f"unpin must be a bool, got {unpin!r}")
         t, rows, heirs, slots = self.release_plan(state, tenant, unpin)
-        return core.run("drop", self.config, state, rows, heirs, np.int32(t) if slots else None,
+        return self._run("drop", state, rows, heirs, np.int32(t) if slots else None,
                         slots, donate=donate)
 
     # ---- cold cached blocks ----------------------------------------------------------------
@@ -421,7 +436,7 @@ class Allocator(TierOps, ReclaimOps):
                 raise InvalidArgumentError(f"max_blocks must be >= 0, got {m}")
             n = min(m, cold)
         slots = min(bucket(n), self.config.num_blocks)
-        return core.run("drop_cold", self.config, state, np.int32(n), slots, donate=donate)
+        return self._run("drop_cold", state, np.int32(n), slots, donate=donate)
 
     # ---- attention statistics --------------------------------------------------------------
     def record_attention(self, state, seq_ids, mass, *, donate=False) -> tuple[KVState, None]:
@@ -439,5 +454,5 @@ class Allocator(TierOps, ReclaimOps):
         real = self._running(state, ids, "record_attention")
         if len(np.unique(real)) != len(real):
             raise DuplicateIdError("record_attention: a sequence appears twice in one call")
-        return core.run("record_mass", self.config, state, ids, m.astype(np.float32),
+        return self._run("record_mass", state, ids, m.astype(np.float32),
                         donate=donate)

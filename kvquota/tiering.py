@@ -72,7 +72,7 @@ class TierOps:
         room = int(self._allocatable(state)[c.host_pool])
         if need > room:
             raise PoolFullError(f"offload: {need} blocks to move, the host pool has {room} free")
-        return core.run("offload", c, state, rows, donate=donate)
+        return self._run("offload", state, rows, donate=donate)
 
     def restore(self, state, seq_ids, *, donate=False) -> tuple[KVState, MoveReport]:
         """Bring suspended sequences' host blocks back to pool 0, bit-exact; RUNNING again.
@@ -93,7 +93,7 @@ class TierOps:
                 raise QuotaExceededError(
                     f"restore: tenant {int(t)} would hold {after * c.unit_bytes} B of device "
                     f"blocks, over its byte quota of {int(quota[t]) * c.unit_bytes} B")
-        return core.run("restore", c, state, rows, donate=donate)
+        return self._run("restore", state, rows, donate=donate)
 
     def compress(self, state, seq_ids, *, kv_format: str, keep_recent: int = 32,
                  policy: str = "oldest", max_blocks: Optional[int] = None,
@@ -133,7 +133,7 @@ class TierOps:
         if need > room:
             raise PoolFullError(f"compress: {need} blocks to compress, the {kv_format} pool has "
                                 f"{room} free")
-        return core.run("compress", c, state, *args, pool, donate=donate)
+        return self._run("compress", state, *args, pool, donate=donate)
 
     def evict(self, state, seq_ids, *, policy, keep_tokens, mode="token", attention=None,
               donate=False, **options) -> tuple[KVState, EvictReport]:
@@ -178,7 +178,7 @@ class TierOps:
                                 f"{room} free")
         ten = np.asarray(state.seqs.seq_tenant)[real]
         heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
-        return core.run(f"evict_{mode}s", c, state, ids, mask, heirs, donate=donate)
+        return self._run(f"evict_{mode}s", state, ids, mask, heirs, donate=donate)
 
     def _token_view(self, state, ids, tables, policy, attention) -> TokenView:
         """What the policy reads, per cache index: mass, and key norms / last attention when

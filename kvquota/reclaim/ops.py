@@ -49,13 +49,13 @@ class ReclaimOps:
         """RUNNING -> IDLE: a multi-turn session between turns keeps its KV, appends refused."""
         self._check_state(state)
         ids, _ = self._batch(state, seq_ids, "set_idle", (SEQ_RUNNING,))
-        return core.run("set_status", self.config, state, ids, np.int8(SEQ_IDLE), donate=donate)
+        return self._run("set_status", state, ids, np.int8(SEQ_IDLE), donate=donate)
 
     def resume(self, state, seq_ids, *, donate=False):
         """IDLE -> RUNNING: the session's next turn (append its tokens as usual)."""
         self._check_state(state)
         ids, _ = self._batch(state, seq_ids, "resume", (SEQ_IDLE,))
-        return core.run("set_status", self.config, state, ids, np.int8(SEQ_RUNNING),
+        return self._run("set_status", state, ids, np.int8(SEQ_RUNNING),
                         donate=donate)
 
     def preempt(self, state, seq_ids, *, donate=False):
@@ -66,7 +66,7 @@ class ReclaimOps:
         ids, real = self._batch(state, seq_ids, "preempt", (SEQ_RUNNING, SEQ_IDLE))
         ten = np.asarray(state.seqs.seq_tenant)[real]
         heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
-        return core.run("preempt", self.config, state, pad(real, bucket(len(real))), heirs,
+        return self._run("preempt", state, pad(real, bucket(len(real))), heirs,
                         donate=donate)
 
     def rebalance(self, state, *, seq_ids=None, cold_blocks: int = 0, donate=False) -> tuple:
@@ -87,7 +87,7 @@ class ReclaimOps:
             rows = rows[rows != INVALID]
         moved = dict(recycled_slots=int(len(rows)), cold_blocks_dropped=0)
         if len(rows):
-            state, _ = core.run("recycle", self.config, state, pad(rows, bucket(len(rows))),
+            state, _ = self._run("recycle", state, pad(rows, bucket(len(rows))),
                                 donate=donate)
             donate = True
         if cold:
@@ -192,7 +192,7 @@ class ReclaimOps:
         if req.kind == "quota_cut":
             run(self.set_quota, req.tenant, byte_quota=req.byte_quota)
         if pol.grow_no_admit and req.kind == "quota_cut":
-            state, _ = core.run("set_growing", self.config, state, np.int32(req.tenant),
+            state, _ = self._run("set_growing", state, np.int32(req.tenant),
                                 np.bool_(True), donate=step_donate())
         victims = self._victims(plan)
         steps, archives, preempted = [], [], []

@@ -64,8 +64,10 @@ class Intake:
         due = self._due  # (earliest arrival step, earliest arrival_s) of the pending requests
         if not self.pending or (due[0] > self.t and due[1] > self.clock):
             return  # nothing due: no scan of the pending list
-        arrived = [r for r in self.pending if self._arrived(r)]
-        self.pending = [r for r in self.pending if not self._arrived(r)]
+        arrived, waiting = [], []
+        for r in self.pending:  # one pass: the pending list holds every future turn
+            (arrived if self._arrived(r) else waiting).append(r)
+        self.pending = waiting
         self._pending_changed()
         for r in arrived:
             info = self.tenants.get(r.tenant)
