@@ -332,7 +332,8 @@ class Replay:
         its policy only to plan an event's reclaim), so each policy's replay from the start is
         this one's up to here, step for step; the load test replays that stretch once per
         worker process instead of once per policy. The trace, configs, executor and allocator
-        (read-only or stateless between steps) are shared; the state and the scheduler's
+        (read-only or stateless between steps; the allocator's weak reference to its last state
+        only shortens its checks) are shared; the state and the scheduler's
         requests, queues and records are copied. The copy's samples so far are this replay's,
         under `policy`'s name; `on_step` gets the steps from here on."""
         if self._next[1]:
