@@ -32,21 +32,10 @@ from kvquota.reports import (
     PinReport,
     TenantReport,
 )
-from kvquota.errors import (
-    BlockStateError,
-    DoubleFreeError,
-    DuplicateIdError,
-    InputDtypeError,
-    InputShapeError,
-    InvalidArgumentError,
-    QuotaValueError,
-    SequenceTooLongError,
-    TenantExistsError,
-    TierError,
-    TokenIdError,
-    UnknownSequenceError,
-    UnknownTenantError,
-)
+from kvquota.errors import (BlockStateError, DoubleFreeError, DuplicateIdError, InputDtypeError,
+                             InputShapeError, InvalidArgumentError, QuotaValueError,
+                             SequenceTooLongError, StateMismatchError, TenantExistsError,
+                             TierError, TokenIdError, UnknownSequenceError, UnknownTenantError)
 from kvquota.invariants import check_invariants
 from kvquota.sentinel import INVALID
 from kvquota.codes import (INT32_MAX, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING, SEQ_SUSPENDED,
@@ -82,17 +71,18 @@ class Allocator(TierOps, ReclaimOps):
         return core.ledger(self.config, state)
 
     def _check_state(self, state):
-        """The state is a live one of this config. The last state an op of this allocator
-        returned is one by construction (its jitted core maps a validated state to one of the
-        same structure, shapes, dtypes and pools), so only its leaves' donation is checked:
-        the full check costs a device read, which would wait for the op to finish."""
-        validate_state(self.config, state, made=self._made is not None and self._made() is state)
+        """The state the last op returned is one of this config by construction: only its
+        donation is checked (the full check's device read waits for the op to finish)."""
+        if self._made is None or self._made() is not state:
+            validate_state(self.config, state)
+        elif any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(state)):
+            raise StateMismatchError("state was donated to an earlier call")
 
-    def __getstate__(self):  # (pickled or copied: the weak reference is a cache, not state)
+    def __getstate__(self):  # pickled or copied: the weak reference is a cache, not state
         return {**self.__dict__, "_made": None}
 
     def _run(self, name: str, state, *args, donate: bool = False):
-        """core.run on this config; the state returned is remembered (weakly) for `_check_state`."""
+        """core.run, remembering (weakly) the state it returned for `_check_state`."""
         state, report = core.run(name, self.config, state, *args, donate=donate)
         self._made = weakref.ref(state)
         return state, report
@@ -190,8 +180,7 @@ class Allocator(TierOps, ReclaimOps):
             salt = group_salt(self._nonneg("share_group", share_group, 2**31 - 1))
         if np.asarray(state.tenants.registered)[t]:
             raise TenantExistsError(f"tenant {t} is already registered")
-        return self._run("set_tenant", state, t, tq, units, lease, np.uint32(salt),
-                        donate=donate)
+        return self._run("set_tenant", state, t, tq, units, lease, np.uint32(salt), donate=donate)
 
     def set_quota(self, state, tenant, *, token_quota=None, byte_quota=None,
                   donate=False) -> tuple[KVState, TenantReport]:
@@ -454,5 +443,4 @@ class Allocator(TierOps, ReclaimOps):
         real = self._running(state, ids, "record_attention")
         if len(np.unique(real)) != len(real):
             raise DuplicateIdError("record_attention: a sequence appears twice in one call")
-        return self._run("record_mass", state, ids, m.astype(np.float32),
-                        donate=donate)
+        return self._run("record_mass", state, ids, m.astype(np.float32), donate=donate)

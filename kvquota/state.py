@@ -418,29 +418,19 @@ def _pool_codes(tier, precision, bounds):
     return jnp.stack([tier[bounds], precision[bounds]]).astype(jnp.int32)
 
 
-def _check_live(expected, leaves):
-    for (path, _), leaf in zip(expected, leaves):
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
-            raise StateMismatchError(f"state field {path} was donated to an earlier call")
-
-
-def validate_state(config: StateConfig, state, *, made: bool = False) -> None:
+def validate_state(config: StateConfig, state) -> None:
     """Raise StateMismatchError unless `state` is a live KVState of exactly this config.
 
     Checks the pytree structure (a leaf that is a list or None changes it), every leaf's type,
     shape and dtype (an int64 leaf is rejected, never cast), that no leaf was donated to an
     earlier call, and the tier/precision of each pool's first and last block, so a state of
     another config whose arrays happen to have the same shapes (a different pool split) is
-    refused too. Host reads: 2 x POOLS bytes. `made`: the state is what a core of this config
-    returned, so only the donation check can fail; it alone runs (no host read).
+    refused too. Host reads: 2 x POOLS bytes.
     """
     if not isinstance(state, KVState):
         raise StateMismatchError(f"expected a KVState, got {type(state).__name__}")
     treedef, expected, bounds, codes = _expected(config)
     leaves, got_def = jax.tree_util.tree_flatten(state)
-    if made:
-        _check_live(expected, leaves)
-        return
     if got_def != treedef:
         raise StateMismatchError(
             "state structure does not match this config (a field that is None or a list, pages "
@@ -448,11 +438,12 @@ def validate_state(config: StateConfig, state, *, made: bool = False) -> None:
     for (path, want), leaf in zip(expected, leaves):
         if not isinstance(leaf, (jax.Array, np.ndarray)):
             raise StateMismatchError(f"state field {path} is a {type(leaf).__name__}, not an array")
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise StateMismatchError(f"state field {path} was donated to an earlier call")
         if tuple(leaf.shape) != tuple(want.shape) or leaf.dtype != want.dtype:
             raise StateMismatchError(
                 f"state field {path} is {leaf.dtype}{tuple(leaf.shape)}, this config needs "
                 f"{want.dtype}{tuple(want.shape)}")
-    _check_live(expected, leaves)
     if not np.array_equal(np.asarray(_pool_codes(state.blocks.tier, state.blocks.precision, bounds)),
                           codes):
         raise StateMismatchError("state belongs to another config: its pools' tiers or precisions "

@@ -55,8 +55,7 @@ class ReclaimOps:
         """IDLE -> RUNNING: the session's next turn (append its tokens as usual)."""
         self._check_state(state)
         ids, _ = self._batch(state, seq_ids, "resume", (SEQ_IDLE,))
-        return self._run("set_status", state, ids, np.int8(SEQ_RUNNING),
-                        donate=donate)
+        return self._run("set_status", state, ids, np.int8(SEQ_RUNNING), donate=donate)
 
     def preempt(self, state, seq_ids, *, donate=False):
         """Drop running or idle sequences' KV (one reference per table entry, as `free`), archive
@@ -66,8 +65,7 @@ class ReclaimOps:
         ids, real = self._batch(state, seq_ids, "preempt", (SEQ_RUNNING, SEQ_IDLE))
         ten = np.asarray(state.seqs.seq_tenant)[real]
         heirs = self._heir_rows(state, np.asarray(state.tenants.salt)[ten], real)
-        return self._run("preempt", state, pad(real, bucket(len(real))), heirs,
-                        donate=donate)
+        return self._run("preempt", state, pad(real, bucket(len(real))), heirs, donate=donate)
 
     def rebalance(self, state, *, seq_ids=None, cold_blocks: int = 0, donate=False) -> tuple:
         """Make returned capacity allocatable: recycle PREEMPTED slots (`seq_ids`, default all)
@@ -87,8 +85,7 @@ class ReclaimOps:
             rows = rows[rows != INVALID]
         moved = dict(recycled_slots=int(len(rows)), cold_blocks_dropped=0)
         if len(rows):
-            state, _ = self._run("recycle", state, pad(rows, bucket(len(rows))),
-                                donate=donate)
+            state, _ = self._run("recycle", state, pad(rows, bucket(len(rows))), donate=donate)
             donate = True
         if cold:
             state, rep = self.drop_cold(state, cold, donate=donate)
