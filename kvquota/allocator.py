@@ -192,8 +192,8 @@ class Allocator(TierOps, ReclaimOps):
         row = self._tenant_row(state, t)
         tq = row["token_quota"] if token_quota is None else self._nonneg("token_quota", token_quota)
         units = row["byte_quota"] if byte_quota is None else self._quota_units(byte_quota)
-        return self._run("set_tenant", state, t, tq, units, row["lease_expiry"],
-                        row["salt"], donate=donate)
+        return self._run("set_tenant", state, t, tq, units, row["lease_expiry"], row["salt"],
+                         donate=donate)
 
     def set_lease(self, state, tenant, lease_expiry, *, donate=False):
         """Move a tenant's lease expiry step (release_tenant is the action at expiry)."""
@@ -202,7 +202,7 @@ class Allocator(TierOps, ReclaimOps):
         lease = self._nonneg("lease_expiry", lease_expiry)
         row = self._tenant_row(state, t)
         return self._run("set_tenant", state, t, row["token_quota"], row["byte_quota"],
-                        lease, row["salt"], donate=donate)
+                         lease, row["salt"], donate=donate)
 
     def expired_tenants(self, state, step: int) -> np.ndarray:
         """Registered tenants whose lease_expiry <= step."""
@@ -395,8 +395,8 @@ class Allocator(TierOps, ReclaimOps):
         if not isinstance(unpin, bool):
             raise InputDtypeError(f"unpin must be a bool, got {unpin!r}")
         t, rows, heirs, slots = self.release_plan(state, tenant, unpin)
-        return self._run("drop", state, rows, heirs, np.int32(t) if slots else None,
-                        slots, donate=donate)
+        return self._run("drop", state, rows, heirs, np.int32(t) if slots else None, slots,
+                         donate=donate)
 
     # ---- cold cached blocks ----------------------------------------------------------------
     def allocatable_blocks(self, state) -> np.ndarray:

@@ -35,7 +35,7 @@ COMPRESS_ORDERS = ("oldest", "coldest")
 
 
 class TierOps:
-    """offload / restore / compress / evict; `self.config`, `_check_state`, `_running`,
+    """offload / restore / compress / evict; `self.config`, `_check_state`, `_run`, `_running`,
     `_heir_rows` and `_allocatable` (every room check) come from the Allocator."""
 
     def _batch(self, state, seq_ids, what, allowed):

@@ -41,8 +41,8 @@ _MOVES = ("offload_idle", "suspend_running")
 
 
 class ReclaimOps:
-    """Lifecycle, plan / apply and rebalance; `self.config` and the validation helpers come from
-    the Allocator."""
+    """Lifecycle, plan / apply and rebalance; `self.config`, the validation helpers and `_run`
+    (core.run on this config) come from the Allocator."""
 
     # ---- session lifecycle -------------------------------------------------------------------
     def set_idle(self, state, seq_ids, *, donate=False):
@@ -189,8 +189,8 @@ class ReclaimOps:
         if req.kind == "quota_cut":
             run(self.set_quota, req.tenant, byte_quota=req.byte_quota)
         if pol.grow_no_admit and req.kind == "quota_cut":
-            state, _ = self._run("set_growing", state, np.int32(req.tenant),
-                                np.bool_(True), donate=step_donate())
+            state, _ = self._run("set_growing", state, np.int32(req.tenant), np.bool_(True),
+                                 donate=step_donate())
         victims = self._victims(plan)
         steps, archives, preempted = [], [], []
         for step in plan.steps:
