@@ -739,3 +739,34 @@ def test_cold_state_machine_long(capsys):
     stats = _run(SLOW, capsys)
     low = {k: (stats.get(k, 0), 10 * f) for k, f in FLOORS.items() if stats.get(k, 0) < 10 * f}
     assert not low, f"the machine stopped exploring: (count, floor) {low}"
+
+
+def test_revive_groups_equal_their_definition_with_and_without_cold_hits():
+    """`cold.revive_inputs` (a per-column sort, skipped by a cond when no hit is cold) against
+    its definition: a cold hit's group is the lowest row hitting the same block, any other
+    entry groups alone. Block x sits at column x % M (a block has one chain depth)."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from kvquota.core.cold import revive_inputs
+
+    fn = jax.jit(lambda cold_at, hits: revive_inputs(  # all it reads: state.blocks.cold_at
+        SimpleNamespace(blocks=SimpleNamespace(cold_at=cold_at)), hits))
+    rng = np.random.default_rng(1)
+    for trial in range(24):
+        b, m, nb = int(rng.choice([4, 8, 64])), int(rng.choice([1, 5, 64])), 50
+        cold_at = np.where(rng.random(nb) < (0.5 if trial % 3 else 0.0), 3, INVALID)
+        col = np.arange(nb) % m
+        hits = np.full((b, m), INVALID, np.int64)
+        for i, k in zip(*np.nonzero(rng.random((b, m)) < 0.6)):
+            if (col == k).any():
+                hits[i, k] = rng.choice(np.flatnonzero(col == k))
+        cold, group = fn(jnp.asarray(cold_at, jnp.int32), jnp.asarray(hits, jnp.int32))
+        want_cold = (hits >= 0) & (cold_at[np.maximum(hits, 0)] >= 0)
+        want = np.array([[min((j for j in range(b) if want_cold[j, k] and hits[j, k] == hits[i, k]),
+                              default=i) if want_cold[i, k] else i for k in range(m)]
+                         for i in range(b)])
+        np.testing.assert_array_equal(np.asarray(cold), want_cold)
+        np.testing.assert_array_equal(np.asarray(group), want)
+
