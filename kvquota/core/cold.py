@@ -89,22 +89,26 @@ def _window(config: StateConfig, k: int) -> int:
     return min(config.num_blocks, 4 * k + 1024)
 
 
+def _once(when, fn, carry):
+    """`fn(carry)` when `when` (bool[]), else `carry` as it is: a loop of zero or one trip, not a
+    `lax.cond`: XLA:CPU copies [N_0]-sized operands that a conditional's branch passes through,
+    which cost a few MB of copies on every allocation. Values of `carry` that `fn` leaves as
+    they are stay loop-invariant, and XLA hoists whatever the body builds from them alone out of
+    the loop, computing it on every call, trip or not: `fn` must change them (any value will
+    do where nothing reads them after the trip)."""
+    return lax.while_loop(lambda c: c[0] < when.astype(jnp.int32),
+                          lambda c: (c[0] + 1, fn(c[1])), (jnp.int32(0), carry))[1]
+
+
 def _compact_if(config: StateConfig, when, cold_at, ring, head, clock, count):
     """`_compact` when `when` (bool[]), else the arrays as they are: (cold_at, ring, head).
-
-    A loop of zero or one trip, not a `lax.cond`: XLA:CPU copies [N_0]-sized operands that a
-    conditional's branch passes through, which cost a few MB of copies on every allocation.
-    `clock` and `count` ride in the loop's carry and leave it changed: were they loop-invariant,
-    XLA would hoist the body's [N_0]-sized arrays built from them (stamps, masks) out of the
-    loop, computing them on every call, trip or not."""
-    def body(c):
+    `clock` and `count` ride in the loop's carry and leave it changed (`_once`): built from
+    them, the stamps and masks of the trip would be hoisted out of it."""
+    def compact(c):
         zero = jnp.int32(0)  # after the one trip nothing reads them: any value makes them vary
-        return (c[0] + 1,) + _compact(config, c[1], c[2], c[4], c[5]) + (zero, zero)
+        return _compact(config, c[0], c[1], c[3], c[4]) + (zero, zero)
 
-    carry = (jnp.int32(0), cold_at, ring, head, clock, count)
-    _, cold_at, ring, head, _, _ = lax.while_loop(lambda c: c[0] < when.astype(jnp.int32), body,
-                                                  carry)
-    return cold_at, ring, head
+    return _once(when, compact, (cold_at, ring, head, clock, count))[:3]
 
 
 def oldest(config: StateConfig, state: KVState, need, k: int):
@@ -170,19 +174,16 @@ def take_pool0(config: StateConfig, state: KVState, take, rank=None):
 
 def _take_cold(config: StateConfig, state: KVState, need, k: int):
     """The `need` (i32[] <= k) least recently cold blocks leave the cache for a pop: (ids
-    i32[k] oldest first, INVALID past `need`; the state). A loop of zero or one trip (see
-    `_compact_if`): when the stack covered the pop, as it mostly does, the window scan of
-    `oldest` (~4k ring entries) and the k-entry scatters of `leave_cache` are skipped, not run on
-    INVALID ids. `need` rides in the carry so nothing of the body is hoisted out of it."""
-    def body(c):
-        trips, state, _, need = c
-        first, state = oldest(config, state, need, k)
+    i32[k] oldest first, INVALID past `need`; the state). In a loop of zero or one trip
+    (`_once`): when the stack covered the pop, as it mostly does, the window scan of `oldest`
+    (~4k ring entries) and the k-entry scatters of `leave_cache` are skipped, not run on INVALID
+    ids. The trip writes every pool-sized array it carries, so nothing is hoisted out of it."""
+    def take(c):
+        first, state = oldest(config, c[0], need, k)
         state = leave_cache(config, state, first)  # the same blocks as the entries they fill
-        return trips + 1, state.update(cold_count=state.free.cold_count - need), first, need
+        return state.update(cold_count=state.free.cold_count - need), first
 
-    carry = (jnp.int32(0), state, jnp.full((k,), INVALID, jnp.int32), need)
-    _, state, first, _ = lax.while_loop(lambda c: c[0] < (c[3] > 0).astype(jnp.int32), body,
-                                        carry)
+    state, first = _once(need > 0, take, (state, jnp.full((k,), INVALID, jnp.int32)))
     return first, state
 
 

@@ -769,4 +769,3 @@ def test_revive_groups_equal_their_definition_with_and_without_cold_hits():
                          for i in range(b)])
         np.testing.assert_array_equal(np.asarray(cold), want_cold)
         np.testing.assert_array_equal(np.asarray(group), want)
-
