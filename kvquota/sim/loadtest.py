@@ -21,7 +21,7 @@ What a replay reports per policy, and how each figure is defined: `kvquota.sim.f
 from __future__ import annotations
 
 import collections
-import copy
+import copy as _copy
 import dataclasses
 import heapq
 import math
@@ -326,7 +326,8 @@ class Replay:
                 s.cancel(r, "timed out")
         return math.inf
 
-    def fork(self, policy: str, on_step: Optional[Callable[[dict], None]] = None) -> Replay:
+    def fork(self, policy: str, on_step: Optional[Callable[[dict], None]] = None, *,
+             copy: bool = True) -> Replay:
         """This replay, stopped before the trace's first event (`run(until_first_event=True)`),
         copied to go on under `policy`. Until an event no policy has acted (the scheduler reads
         its policy only to plan an event's reclaim), so each policy's replay from the start is
@@ -335,12 +336,15 @@ class Replay:
         (read-only or stateless between steps; the allocator's weak reference to its last state
         only shortens its checks) are shared; the state and the scheduler's
         requests, queues and records are copied. The copy's samples so far are this replay's,
-        under `policy`'s name; `on_step` gets the steps from here on."""
+        under `policy`'s name; `on_step` gets the steps from here on. `copy=False`: this replay
+        itself goes on under `policy` (the last policy of a worker: a copy of the default
+        trace's replay at its first event takes ~8 s, results/loadtest/last_fork.json, and holds
+        a second copy of its requests and state)."""
         if self._next[1]:
             raise InvalidArgumentError("a replay forks only before its first trace event")
         shared = (self.cfg, self.trace, self.ex, self.sched.alloc, self.sc, self.arrivals,
                   self.turns)
-        twin = copy.deepcopy(self, {id(x): x for x in shared})
+        twin = _copy.deepcopy(self, {id(x): x for x in shared}) if copy else self
         twin.policy, twin.sched.policy, twin.on_step = policy, get_reclaim_policy(policy), on_step
         for p in twin.samples:
             p["policy"] = policy

@@ -86,18 +86,19 @@ def _compile_totals() -> tuple[float, int]:
 def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths) -> list:
     """Each policy's replay: [(summary, request records)] in `policies` order. The stretch
     before the trace's first event is replayed once and forked per policy (`Replay.fork`: the
-    same steps a fresh replay gives); each policy's step samples, that stretch's included, are
-    appended to its `points_paths` file (JSONL). Top-level, so worker processes can run it."""
+    same steps a fresh replay gives; the last policy goes on with that replay itself); each
+    policy's step samples, that stretch's included, are appended to its `points_paths` file
+    (JSONL). Top-level, so worker processes can run it."""
     start, (compile0, programs0) = time.perf_counter(), _compile_totals()
     base = lt.Replay(cfg, trace, policies[0], ex=lt.executor(cfg))  # one jit cache for all
     base.run(until_first_event=True)
     shared_s, shared_steps, out = time.perf_counter() - start, base.sched.t, []
     shared_compile = _compile_totals()
-    for policy, path in zip(policies, points_paths):
+    for k, (policy, path) in enumerate(zip(policies, points_paths)):
         begin, (compile1, programs1) = time.perf_counter(), _compile_totals()
         with open(path, "a") as points:
             write = _point_writer(points)
-            rp = base.fork(policy, on_step=write)
+            rp = base.fork(policy, on_step=write, copy=k + 1 < len(policies))  # the last: base
             for p in rp.samples:
                 write(p)
             rp.run()

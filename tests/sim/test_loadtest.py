@@ -279,7 +279,8 @@ def _no_wall(samples):
 def test_a_fork_before_the_first_event_replays_like_a_fresh_replay():
     """The load test replays the stretch before the trace's first event once and forks it per
     policy: the fork's steps, requests, drift checks and summary equal a fresh replay's, the
-    state's invariants hold, and the replay forked from is left as it was."""
+    state's invariants hold, and the replay forked from is left as it was; the last policy
+    goes on with that replay itself, again as a fresh replay would."""
     trace, ex = small_trace(requests=24), lt.executor(SMALL)
     trace = dataclasses.replace(trace, events=[  # the events late: a long stretch before them
         dataclasses.replace(e, time_s=e.time_s + 1.0) for e in trace.events])
@@ -301,6 +302,11 @@ def test_a_fork_before_the_first_event_replays_like_a_fresh_replay():
     kq.check_invariants(base.sc, base.sched.state)  # not donated away by the twin's steps
     with pytest.raises(kq.InvalidArgumentError, match="before its first trace event"):
         twin.fork("tiered")
+    last = base.fork("evict-first", copy=False)  # the last policy goes on with the base itself
+    assert last is base and last.policy == "evict-first"
+    last.run()
+    assert last.request_records() == fresh.request_records()
+    assert _no_wall(last.samples) == _no_wall(fresh.samples) and last.drift == fresh.drift
 
 
 def test_compile_totals_count_each_new_program_once():
