@@ -39,7 +39,7 @@ def main():
     loadtest_cli.define_flags()
     loadtest_cli.FLAGS(["admission_rows.py"])  # the load test's defaults: its default run
     cfg, trace = loadtest_cli.load_config(), kq.sim.generate_trace(loadtest_cli.trace_config())
-    first_cut = min(e.time_s for e in trace.events)
+    first_cut, block = min(e.time_s for e in trace.events), cfg.block_size
     calls, rows, seen = [], collections.Counter(), set()
     replay, context = None, {}
 
@@ -52,8 +52,8 @@ def main():
         shape = tokens.shape
         calls.append(dict(after_cut=replay.sched.clock >= first_cut, shape=shape,
                           first_of_shape=shape not in seen, rows=int(real.sum()),
-                          entries=int(((lengths[real] + 15) // 16).sum()),
-                          padded_entries=shape[0] * shape[1] // 16,
+                          entries=int(((lengths[real] + block - 1) // block).sum()),
+                          padded_entries=shape[0] * -(-shape[1] // block),
                           ms=1e3 * (time.perf_counter() - start)))
         seen.add(shape)
         return out
@@ -84,6 +84,8 @@ def main():
     for phase, after in (("before_cut", False), ("after_cut", True)):
         mine = [c for c in calls if c["after_cut"] == after]
         warm = [c for c in mine if not c["first_of_shape"]]
+        if len(warm) < 2:  # STEPS ended before the cut, or too few calls to fit
+            continue
         x = np.array([c["padded_entries"] for c in warm], float)
         y = np.array([c["ms"] for c in warm])
         slope, fixed = np.linalg.lstsq(np.vstack([x, np.ones_like(x)]).T, y, rcond=None)[0]
