@@ -1,0 +1,114 @@
+"""Where a load-test step's wall goes: every device call of the default trace's first STEPS steps
+under POLICY, by core, waited for, and the rest of each step (the scheduler's host work).
+Prints one JSON object; steps before and after the first quota cut are reported apart, each
+phase's figures per step (mean over its steps; the first call of each shape, compiling or loading
+it, included), and the floor of one device call on the state (`empty_call_ms`).
+
+  python scripts/step_calls.py [STEPS [POLICY]]    # default: 11000 tiered
+
+It wraps the jit table (`kvquota.core.run`), the facade's read-only queries and the cost
+executor's step to wait for and time them; what the replay computes is unchanged, but waiting
+for each call takes away the overlap of host work with the device's, so a step's wall here is an
+upper bound of the load test's. Run it with the compilation cache of the CLIs
+(~/.cache/kvquota/jax) warm."""
+
+import collections
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+import kvquota as kq
+import kvquota.core
+import kvquota.sim.loadtest as lt
+from kvquota.serving import executors
+from kvquota.serving.scheduler import Scheduler
+from experiments import cli
+from experiments import loadtest as loadtest_cli
+
+QUERIES = ("ledger", "compress_count", "evict_fresh_count", "evict_block_fresh_count",
+           "leaves_orphans", "own_count")
+
+
+def main():
+    args = sys.argv[1:]
+    if len(args) > 2 or (args and not args[0].isdigit()):
+        sys.exit("usage: step_calls.py [STEPS [POLICY]]")
+    steps = int(args[0]) if args else 11000
+    policy = args[1] if len(args) > 1 else "tiered"
+    cli.compilation_cache()  # the CLIs' persistent cache
+    loadtest_cli.define_flags()
+    loadtest_cli.FLAGS(["step_calls.py"])  # the load test's defaults: its default run
+    cfg, trace = loadtest_cli.load_config(), kq.sim.generate_trace(loadtest_cli.trace_config())
+    first_cut = min(e.time_s for e in trace.events)
+    step_calls = collections.Counter()  # (name, "calls" | "s") -> total, this step
+    phases = {p: {"steps": 0, "wall_s": [], "calls": collections.Counter()}
+              for p in ("before_cut", "after_cut")}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            start = time.perf_counter()
+            out = jax.block_until_ready(fn(*a, **kw))
+            step_calls[name, "calls"] += 1
+            step_calls[name, "s"] += time.perf_counter() - start
+            return out
+        return call
+
+    original_run = kvquota.core.run
+    kvquota.core.run = lambda name, *a, **kw: timed(name, original_run)(name, *a, **kw)
+    for name in QUERIES:
+        setattr(kvquota.core, name, timed(name, getattr(kvquota.core, name)))
+    executors._cost_step = timed("cost_step", executors._cost_step)
+    original_step = Scheduler.step
+
+    def step(sched):
+        phase = phases["after_cut" if sched.clock >= first_cut else "before_cut"]
+        step_calls.clear()
+        start = time.perf_counter()
+        out = original_step(sched)
+        phase["wall_s"].append(time.perf_counter() - start)
+        phase["calls"].update(step_calls)
+        return out
+
+    Scheduler.step = step
+    replay = lt.Replay(dataclasses.replace(cfg, max_steps=steps), trace, policy)
+    replay.run()
+    out = {"command": "python scripts/step_calls.py " + " ".join(args), "policy": policy,
+           "steps": replay.sched.t, "first_cut_s": first_cut}
+    for name, phase in phases.items():
+        n = len(phase["wall_s"])
+        if not n:
+            continue
+        wall = np.array(phase["wall_s"])
+        calls = phase["calls"]
+        names = sorted({k for k, _ in calls}, key=lambda k: -calls[k, "s"])
+        device_ms = 1e3 * sum(calls[k, "s"] for k in names) / n
+        out[name] = {
+            "steps": n, "wall_ms_per_step": {"mean": round(1e3 * wall.mean(), 2),
+                                             "median": round(1e3 * float(np.median(wall)), 2)},
+            "device_calls_ms_per_step": round(device_ms, 2),
+            "host_ms_per_step": round(1e3 * wall.mean() - device_ms, 2),
+            "by_call": {k: {"calls_per_step": round(calls[k, "calls"] / n, 2),
+                            "ms_per_step": round(1e3 * calls[k, "s"] / n, 3)} for k in names},
+        }
+    out["empty_call_ms"] = round(empty_call_ms(replay.sched.state), 3)
+    print(json.dumps(out))
+
+
+def empty_call_ms(state, calls=200):
+    """The floor of any device call on the state: a donated identity (dispatch, every buffer of the
+    state's pytree in and out), after the replay (the state is not used again)."""
+    identity = jax.jit(lambda s: s, donate_argnums=0)
+    state = jax.block_until_ready(identity(state))
+    start = time.perf_counter()
+    for _ in range(calls):
+        state = identity(state)
+    jax.block_until_ready(state)
+    return 1e3 * (time.perf_counter() - start) / calls
+
+
+if __name__ == "__main__":
+    main()
