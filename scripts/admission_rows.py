@@ -19,27 +19,19 @@ import time
 import jax
 import numpy as np
 
-import kvquota as kq
 import kvquota.sim.loadtest as lt
 from kvquota.allocator import Allocator
 from kvquota.codes import REASONS
 from kvquota.serving import quota_view
 from kvquota.serving import scheduler as scheduler_module
-from experiments import cli
-from experiments import loadtest as loadtest_cli
+
+import default_trace  # scripts/default_trace.py
 
 
 def main():
-    args = sys.argv[1:]
-    if len(args) > 2 or (args and not args[0].isdigit()):
-        sys.exit("usage: admission_rows.py [STEPS [POLICY]]")
-    steps = int(args[0]) if args else 11000
-    policy = args[1] if len(args) > 1 else "tiered"
-    cli.compilation_cache()  # the CLIs' persistent cache
-    loadtest_cli.define_flags()
-    loadtest_cli.FLAGS(["admission_rows.py"])  # the load test's defaults: its default run
-    cfg, trace = loadtest_cli.load_config(), kq.sim.generate_trace(loadtest_cli.trace_config())
-    first_cut, block = min(e.time_s for e in trace.events), cfg.block_size
+    steps, policy = default_trace.steps_and_policy("admission_rows.py")
+    cfg, trace, first_cut = default_trace.default_run("admission_rows.py")
+    block = cfg.block_size
     calls, rows, seen = [], collections.Counter(), set()
     replay, context = None, {}
 
@@ -79,7 +71,8 @@ def main():
     original_batch, scheduler_module.admit_batch = quota_view.admit_batch, admit_batch
     replay = lt.Replay(dataclasses.replace(cfg, max_steps=steps), trace, policy)
     replay.run()
-    out = {"command": "python scripts/admission_rows.py " + " ".join(args), "policy": policy,
+    out = {"command": " ".join(["python", "scripts/admission_rows.py"] + sys.argv[1:]),
+           "policy": policy,
            "steps": replay.sched.t, "first_cut_s": first_cut, "rows": dict(sorted(rows.items()))}
     for phase, after in (("before_cut", False), ("after_cut", True)):
         mine = [c for c in calls if c["after_cut"] == after]

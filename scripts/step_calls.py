@@ -21,31 +21,22 @@ import time
 import jax
 import numpy as np
 
-import kvquota as kq
 import kvquota.core
 import kvquota.sim.loadtest as lt
 from kvquota.serving import executors
 from kvquota.serving.scheduler import Scheduler
-from experiments import cli
-from experiments import loadtest as loadtest_cli
+
+import default_trace  # scripts/default_trace.py
 
 QUERIES = ("ledger", "compress_count", "evict_fresh_count", "evict_block_fresh_count",
            "leaves_orphans", "own_count")
 
 
 def main():
-    args = sys.argv[1:]
-    if len(args) > 2 or (args and not args[0].isdigit()):
-        sys.exit("usage: step_calls.py [STEPS [POLICY]]")
-    steps = int(args[0]) if args else 11000
-    policy = args[1] if len(args) > 1 else "tiered"
-    cli.compilation_cache()  # the CLIs' persistent cache
-    loadtest_cli.define_flags()
-    loadtest_cli.FLAGS(["step_calls.py"])  # the load test's defaults: its default run
-    cfg, trace = loadtest_cli.load_config(), kq.sim.generate_trace(loadtest_cli.trace_config())
-    first_cut = min(e.time_s for e in trace.events)
+    steps, policy = default_trace.steps_and_policy("step_calls.py")
+    cfg, trace, first_cut = default_trace.default_run("step_calls.py")
     step_calls = collections.Counter()  # (name, "calls" | "s") -> total, this step
-    phases = {p: {"steps": 0, "wall_s": [], "calls": collections.Counter()}
+    phases = {p: {"wall_s": [], "calls": collections.Counter()}
               for p in ("before_cut", "after_cut")}
 
     def timed(name, fn):
@@ -76,7 +67,8 @@ def main():
     Scheduler.step = step
     replay = lt.Replay(dataclasses.replace(cfg, max_steps=steps), trace, policy)
     replay.run()
-    out = {"command": "python scripts/step_calls.py " + " ".join(args), "policy": policy,
+    out = {"command": " ".join(["python", "scripts/step_calls.py"] + sys.argv[1:]),
+           "policy": policy,
            "steps": replay.sched.t, "first_cut_s": first_cut}
     for name, phase in phases.items():
         n = len(phase["wall_s"])
