@@ -105,6 +105,9 @@ def define_flags():
                      lower_bound=1)
     f.DEFINE_integer("max_admit", 64, "Requests per admit call.", lower_bound=1,
                      upper_bound=1024)
+    f.DEFINE_integer("steps_per_pass", 1, "Steps per scheduling pass (> 1: multi-step "
+                     "scheduling, admissions and frees between passes only).", lower_bound=1,
+                     upper_bound=64)
     f.DEFINE_integer("prefill_rows", 16, "Prefill rows per step.", lower_bound=1,
                      upper_bound=256)
     f.DEFINE_integer("chunk_size", 4096, "Longest prefill chunk (tokens).", lower_bound=16,
@@ -160,7 +163,7 @@ def load_config() -> "kq.sim.LoadConfig":
         num_tenants=max(FLAGS.tenants, 8),
         compressed_fraction=FLAGS.compressed_fraction, host_fraction=FLAGS.host_fraction,
         token_budget=FLAGS.token_budget, max_admit=FLAGS.max_admit,
-        prefill_rows=FLAGS.prefill_rows, chunk_size=FLAGS.chunk_size,
+        steps_per_pass=FLAGS.steps_per_pass, prefill_rows=FLAGS.prefill_rows, chunk_size=FLAGS.chunk_size,
         slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=FLAGS.slo_tpot_s,
         jitter_window=FLAGS.jitter_window, drift_every=FLAGS.drift_every,
         max_steps=FLAGS.max_steps, patience_s=FLAGS.patience_s or None, cost=cost)

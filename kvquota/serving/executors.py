@@ -209,7 +209,7 @@ def _ledger_tail(config: StateConfig, state, reads):
             state.free.free_count, reads]
 
 
-def _unpack(config: StateConfig, flat: np.ndarray, bd: int, bp: int, seconds: float) -> StepOutput:
+def unpack_step(config: StateConfig, flat: np.ndarray, bd: int, bp: int, seconds: float) -> StepOutput:
     t, pools = config.num_tenants, config.num_pools
     at = [0]
 
@@ -245,7 +245,7 @@ def _sample(logits, keys, *, temperature: float, top_k: int, seed: int):
 def _model_step(model, params, state, dec_seq, dec_tok, dec_key, pre_seq, pre_tok, pre_start,
                 pre_num, pre_pos, pre_key, *, config, pool_starts, sampling, prefill):
     """Append + decode forward + sample, and (static `prefill`) a prefill forward + sample, in
-    one call that donates `state`. Returns (state, i32 vector: see `_unpack`)."""
+    one call that donates `state`. Returns (state, i32 vector: see `unpack_step`)."""
     valid = dec_seq >= 0
     at = clip(dec_seq)
     start = jnp.where(valid, state.seqs.seq_lens[at], 0)  # cache index of the appended token
@@ -268,18 +268,17 @@ def _model_step(model, params, state, dec_seq, dec_tok, dec_key, pre_seq, pre_to
     return state, jnp.concatenate(parts + _ledger_tail(config, state, reads))
 
 
-def _fake_tokens(keys, vocab: int):
+def fake_tokens(keys, vocab: int):
     """Deterministic stand-in tokens of the cost model: a hash of (request, index) mod vocab."""
     k = keys.astype(jnp.uint32)
     h = k[:, 0] * jnp.uint32(2654435761) ^ (k[:, 1] + jnp.uint32(0x9E3779B9)) * jnp.uint32(40503)
     return (h % jnp.uint32(vocab)).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def _cost_step(state, dec_seq, dec_tok, dec_key, pre_seq, pre_key, row_pools, *, config):
-    """The cost model's step: append only, plus the table entries every row attends over,
-    counted per pool (what the modelled KV read is made of): ceil(cached / P) entries per row,
-    those in pools 1.. from `row_pools` (the host mirror), the rest in pool 0. O(batch) work."""
+def cost_step_core(config, state, dec_seq, dec_tok, dec_key, pre_seq, pre_key, row_pools):
+    """The cost model's step: append only, plus the table entries each row attends over per pool
+    (the modelled KV read): ceil(cached / P) per row, those in pools 1.. from `row_pools` (the
+    host mirror). O(batch) work. Returns (state, appended bool[Bd], i32 vector: `unpack_step`)."""
     state, rep = append_core(config, state, dec_seq, dec_tok)
     rows = jnp.concatenate([jnp.where(rep.appended, dec_seq, INVALID), pre_seq])
     lens = jnp.where(rows >= 0, state.seqs.seq_lens[clip(rows)], 0)
@@ -289,9 +288,15 @@ def _cost_step(state, dec_seq, dec_tok, dec_key, pre_seq, pre_key, row_pools, *,
     slack = (entries * config.block_size - lens).sum()
     reads = jnp.concatenate([reads, slack[None]]).astype(jnp.int32)
     vocab = config.model.vocab_size
-    parts = [_fake_tokens(dec_key, vocab), rep.appended.astype(jnp.int32), rep.reason,
-             _fake_tokens(pre_key, vocab)]
-    return state, jnp.concatenate(parts + _ledger_tail(config, state, reads))
+    parts = [fake_tokens(dec_key, vocab), rep.appended.astype(jnp.int32), rep.reason,
+             fake_tokens(pre_key, vocab)]
+    return state, rep.appended, jnp.concatenate(parts + _ledger_tail(config, state, reads))
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def _cost_step(state, *rows, config):  # one cost-model step in one call that donates `state`
+    state, _, flat = cost_step_core(config, state, *rows)
+    return state, flat
 
 
 class _Executor:
@@ -320,7 +325,6 @@ class _Executor:
             raise InvalidArgumentError("sampling must be a kvquota Sampling")
         self.sampling = sampling
         self.syncs = 0  # device-to-host readbacks made by step()
-        self.last_slack = 0  # the last step's StepOutput.slack_tokens
 
     def decode_width(self, rows: int) -> int:
         """Decode rows of a step's padded batch: max_batch (one compile of the model)."""
@@ -330,7 +334,7 @@ class _Executor:
         """The padded chunk width T for a step whose longest chunk is `longest` tokens."""
         return bucket(longest, self.chunk_size, floor=self.chunk_floor)
 
-    def _read(self, array) -> np.ndarray:
+    def read(self, array) -> np.ndarray:  # one counted readback
         self.syncs += 1
         return np.asarray(jax.device_get(array))
 
@@ -365,8 +369,8 @@ class ModelExecutor(_Executor):
             batch.pre_seq, batch.pre_tok, batch.pre_start, batch.pre_num, batch.pre_pos,
             batch.pre_key, config=self.state_config, pool_starts=self.pool_starts,
             sampling=self.sampling, prefill=batch.has_prefill)
-        flat = self._read(flat)
-        return state, _unpack(self.state_config, flat, len(batch.dec_seq), len(batch.pre_seq),
+        flat = self.read(flat)
+        return state, unpack_step(self.state_config, flat, len(batch.dec_seq), len(batch.pre_seq),
                               time.perf_counter() - start)
 
 
@@ -439,9 +443,8 @@ class CostModelExecutor(_Executor):
                 [batch.dec_seq, batch.pre_seq]))], config=self.state_config)
         state, flat = _cost_step(state, batch.dec_seq, batch.dec_tok, batch.dec_key,
                                  batch.pre_seq, batch.pre_key, pools, config=self.state_config)
-        flat = self._read(flat)
-        out = _unpack(self.state_config, flat, len(batch.dec_seq), len(batch.pre_seq), 0.0)
+        flat = self.read(flat)
+        out = unpack_step(self.state_config, flat, len(batch.dec_seq), len(batch.pre_seq), 0.0)
         out.seconds = self.modelled_seconds(out.block_reads, batch.prefill_tokens,
                                             batch.host_bytes)
-        self.last_slack = out.slack_tokens
         return state, out

@@ -306,6 +306,7 @@ def step_record(config: StateConfig, *, step, kinds, out, dec, pre, charged, que
     statuses = collections.Counter(r.status for r in live)
     used = [] if out is None else out.used_tokens
     return {"step": step, "events": kinds, "step_s": out.seconds if out is not None else 0.0,
+            "slack_tokens": out.slack_tokens if out is not None else 0,
             "decode_rows": len(dec), "prefill_rows": len(pre), "batch": batch,
             "bytes": tier_bytes(config, charged),
             "used_tokens": {str(t): int(v) for t, v in enumerate(used)},

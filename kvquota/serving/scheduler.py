@@ -8,7 +8,8 @@ prefill); a new tenant registers (and may make room), a burst submits requests (
 quotas: a top-up); (3) admits queued requests (per-tenant FIFO, resumes first) in one facade
 call; (4) runs one executor step (one jitted call and one readback, checked against the host
 mirror): running requests decode a token, prefilling ones get chunks under the token budget;
-(5) records the step (serving.metrics). An append refused for quota (pool) preempts the tenant's
+(5) records the step (serving.metrics). With `steps_per_pass` K > 1 (the cost model only) a
+`step()` is a pass of K steps in one call (multi-step scheduling: `serving.passes`). An append refused for quota (pool) preempts the tenant's
 (batch's) newest running request, as vLLM does; a request alone and still refused ends with the
 reason. Every request ends finished (`finish` says why), refused (with the reason), or is still
 queued. Facade calls donate the state.
@@ -37,25 +38,27 @@ from kvquota.serving import metrics
 from kvquota.serving.executors import HostMirror, compose_step
 from kvquota.serving.intake import Intake
 from kvquota.serving.metrics import Event, Request
+from kvquota.serving.passes import PassSteps
 from kvquota.serving.quota_view import QUOTA_REFUSALS, Parking, QuotaView, admit_batch
 
 INF = float("inf")
 
 
-class Scheduler(Intake):
+class Scheduler(Intake, PassSteps):
     """Continuous batching of many tenants' requests over one state (see the module docstring).
 
     Args: executor: a ModelExecutor or CostModelExecutor (its state_config is the state's);
     state: the state to serve (default: a fresh one; the scheduler owns it); policy: the default
     reclaim policy (a kvquota.reclaim preset name or ReclaimPolicy); token_budget: tokens per
     step, one per decode row and the rest for prefill chunks; max_admit: rows per admit call;
-    events: Events, run at their steps; drift_every / check_every: every n steps (0: never)
+    steps_per_pass: steps per scheduling pass (> 1: the cost model only); events: Events, run at their steps; drift_every / check_every: every n steps (0: never)
     measure the ledger drift / run check_invariants (O(pool) host work); on_step / on_event:
     callables receiving each step / event record.
     """
 
     def __init__(self, executor, *, state=None, policy="tiered", token_budget: int = 256,
-                 max_admit: int = 4, events: Sequence[Event] = (), drift_every: int = 0,
+                 max_admit: int = 4, steps_per_pass: int = 1, events: Sequence[Event] = (),
+                 drift_every: int = 0,
                  check_every: int = 0, on_step=None, on_event=None):
         self.executor, self.config = executor, executor.state_config
         self.alloc = Allocator(self.config)
@@ -64,6 +67,7 @@ class Scheduler(Intake):
         if min(token_budget, max_admit) < 1 or min(drift_every, check_every) < 0:
             raise InvalidArgumentError("token_budget and max_admit must be >= 1, drift_every and "
                                        "check_every >= 0")
+        self.steps_per_pass = self._steps_per_pass(executor, steps_per_pass)
         if not all(isinstance(e, Event) for e in events):
             raise InvalidArgumentError("events must be kvquota.serving.Event objects")
         self.token_budget, self.max_admit = int(token_budget), int(max_admit)
@@ -97,7 +101,7 @@ class Scheduler(Intake):
 
         bar = tqdm(total=max_steps, disable=not progress, unit="step", leave=False)
         while not self.done and (max_steps is None or self.t < max_steps):
-            rec = self.step()
+            rec = self.step(None if max_steps is None else max_steps - self.t)
             bar.update(1)
             bar.set_postfix(running=rec["running"], queued=sum(rec["queue"].values()),
                             preempted=rec["preemptions_total"], refresh=False)
@@ -107,7 +111,9 @@ class Scheduler(Intake):
         self._free_finished()
         return self.summary()
 
-    def step(self) -> dict:
+    def step(self, max_steps: Optional[int] = None) -> dict:
+        """One step, or a pass of up to steps_per_pass (at most max_steps) steps; returns the
+        last step's record (`records` holds them all)."""
         marks = (time.perf_counter(), self.syncs, self.executor.syncs, self.facade_calls)
         self._host_bytes, self._progress = 0, bool(self._release)
         self._free_finished()
@@ -125,6 +131,9 @@ class Scheduler(Intake):
         self._restore_suspended()
         if not hold:
             self._admit()
+        rec = self._pass(max_steps, kinds, marks) if self.steps_per_pass > 1 else None
+        if rec is not None:
+            return rec
         batch, dec, pre = compose_step(self.executor, self.live, self.token_budget, self.m,
                                        self._host_bytes)
         out, self._dirty = None, False
@@ -136,6 +145,9 @@ class Scheduler(Intake):
             self._absorb(out, dec, pre)
         charged = out.charged if out is not None and not self._dirty else self._read(
             self.state.tenants.charged_blocks)
+        return self._record(out, dec, pre, charged, kinds, marks)
+
+    def _record(self, out, dec, pre, charged, kinds, marks) -> dict:
         rec = metrics.record_step(self, out, dec, pre, charged, kinds, marks)
         self.counters.new_step()  # what happens before the next step (a cancel) counts in it
         self.records.append(rec)
@@ -397,22 +409,8 @@ class Scheduler(Intake):
                 self._finish(r, self._why(r, token))
         self.counters.add("generated_tokens", len(grown))
         for j, (r, n) in enumerate(pre):
-            r.prefilled += n
-            self.counters.add("prefill_tokens", n)
-            if r.prefilled == len(r.context):
-                r.status = "running"
-                if r.pin_blocks and not r.preemptions and not r.turn:  # pinned once, written
-                    self._op("pin_prefix", r.seq, r.pin_blocks)
-                self._took(r, int(out.pre_next[j]))
-                self.counters.add("generated_tokens")
-        victims = []  # chosen row by row, then preempted in one call
-        for r, reason in refused:
-            if r.status == "running" and r not in victims:  # not another row's victim
-                self._append_refused(r, reason, victims)
-        if victims:
-            self._preempt(victims)
-        for r, reason in refused:  # the room is for the running rows to grow (`Parking`)
-            self.parked.refused(r.tenant, reason)
+            self._prefilled(r, n, int(out.pre_next[j]))
+        self._refused_appends(refused)
 
     def _took(self, r: Request, token: int):
         """r sampled `token` (the caller counts the generated tokens); it may end here."""
