@@ -163,8 +163,8 @@ def load_config() -> "kq.sim.LoadConfig":
         num_tenants=max(FLAGS.tenants, 8),
         compressed_fraction=FLAGS.compressed_fraction, host_fraction=FLAGS.host_fraction,
         token_budget=FLAGS.token_budget, max_admit=FLAGS.max_admit,
-        steps_per_pass=FLAGS.steps_per_pass, prefill_rows=FLAGS.prefill_rows, chunk_size=FLAGS.chunk_size,
-        slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=FLAGS.slo_tpot_s,
+        steps_per_pass=FLAGS.steps_per_pass, prefill_rows=FLAGS.prefill_rows,
+        chunk_size=FLAGS.chunk_size, slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=FLAGS.slo_tpot_s,
         jitter_window=FLAGS.jitter_window, drift_every=FLAGS.drift_every,
         max_steps=FLAGS.max_steps, patience_s=FLAGS.patience_s or None, cost=cost)
 

@@ -209,7 +209,7 @@ def _ledger_tail(config: StateConfig, state, reads):
             state.free.free_count, reads]
 
 
-def unpack_step(config: StateConfig, flat: np.ndarray, bd: int, bp: int, seconds: float) -> StepOutput:
+def unpack_step(config: StateConfig, flat, bd: int, bp: int, seconds: float) -> StepOutput:
     t, pools = config.num_tenants, config.num_pools
     at = [0]
 

@@ -26,6 +26,7 @@ from kvquota.errors import InvalidArgumentError
 from kvquota.sentinel import INVALID
 from kvquota.serving.executors import (HostMirror, StepBatch, build_batch, cost_step_core,
                                        fake_tokens, unpack_step)
+from kvquota.serving.metrics import Request
 
 
 @dataclasses.dataclass
@@ -146,7 +147,7 @@ class PassSteps:
     and the absorption shared with single steps (a chunk prefilled, appends refused)."""
 
     @staticmethod
-    def _steps_per_pass(executor, k) -> int:
+    def _steps_per_pass(executor, k) -> int:  # the Scheduler's argument, checked
         if not (isinstance(k, int) and k >= 1) or (k > 1 and not executor.cost_model):
             raise InvalidArgumentError(f"steps_per_pass must be an int >= 1 (> 1 only with the "
                                        f"cost model), got {k!r}")

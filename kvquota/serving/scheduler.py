@@ -9,10 +9,10 @@ quotas: a top-up); (3) admits queued requests (per-tenant FIFO, resumes first) i
 call; (4) runs one executor step (one jitted call and one readback, checked against the host
 mirror): running requests decode a token, prefilling ones get chunks under the token budget;
 (5) records the step (serving.metrics). With `steps_per_pass` K > 1 (the cost model only) a
-`step()` is a pass of K steps in one call (multi-step scheduling: `serving.passes`). An append refused for quota (pool) preempts the tenant's
-(batch's) newest running request, as vLLM does; a request alone and still refused ends with the
-reason. Every request ends finished (`finish` says why), refused (with the reason), or is still
-queued. Facade calls donate the state.
+`step()` is a pass of K steps in one call (multi-step scheduling: `serving.passes`). An append
+refused for quota (pool) preempts the tenant's (batch's) newest running request, as vLLM does;
+a request alone and still refused ends with the reason. Every request ends finished (`finish`
+says why), refused (with the reason), or is still queued. Facade calls donate the state.
 """
 
 from __future__ import annotations
@@ -51,15 +51,15 @@ class Scheduler(Intake, PassSteps):
     state: the state to serve (default: a fresh one; the scheduler owns it); policy: the default
     reclaim policy (a kvquota.reclaim preset name or ReclaimPolicy); token_budget: tokens per
     step, one per decode row and the rest for prefill chunks; max_admit: rows per admit call;
-    steps_per_pass: steps per scheduling pass (> 1: the cost model only); events: Events, run at their steps; drift_every / check_every: every n steps (0: never)
-    measure the ledger drift / run check_invariants (O(pool) host work); on_step / on_event:
-    callables receiving each step / event record.
+    steps_per_pass: steps per scheduling pass (> 1: the cost model only); events: Events, run
+    at their steps; drift_every / check_every: every n steps (0: never) measure the ledger
+    drift / run check_invariants (O(pool) host work); on_step / on_event: callables receiving
+    each step / event record.
     """
 
     def __init__(self, executor, *, state=None, policy="tiered", token_budget: int = 256,
                  max_admit: int = 4, steps_per_pass: int = 1, events: Sequence[Event] = (),
-                 drift_every: int = 0,
-                 check_every: int = 0, on_step=None, on_event=None):
+                 drift_every: int = 0, check_every: int = 0, on_step=None, on_event=None):
         self.executor, self.config = executor, executor.state_config
         self.alloc = Allocator(self.config)
         self.state = self.alloc.init() if state is None else state

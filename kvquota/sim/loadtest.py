@@ -104,8 +104,8 @@ class LoadConfig:
 
     def __post_init__(self):
         for name in ("blocks", "block_size", "max_seqs", "max_blocks_per_seq", "num_tenants",
-                     "token_budget", "max_admit", "steps_per_pass", "prefill_rows", "chunk_size", "jitter_window",
-                     "drift_every", "max_steps"):
+                     "token_budget", "max_admit", "steps_per_pass", "prefill_rows",
+                     "chunk_size", "jitter_window", "drift_every", "max_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
