@@ -370,8 +370,8 @@ class ModelExecutor(_Executor):
             batch.pre_key, config=self.state_config, pool_starts=self.pool_starts,
             sampling=self.sampling, prefill=batch.has_prefill)
         flat = self.read(flat)
-        return state, unpack_step(self.state_config, flat, len(batch.dec_seq), len(batch.pre_seq),
-                              time.perf_counter() - start)
+        return state, unpack_step(self.state_config, flat, len(batch.dec_seq),
+                                  len(batch.pre_seq), time.perf_counter() - start)
 
 
 def weight_count(config: ModelConfig) -> int:

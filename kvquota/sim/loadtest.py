@@ -76,7 +76,9 @@ class LoadConfig:
     pool (`compress_format`) of blocks * compressed_fraction, a host pool of blocks *
     host_fraction. devices None: as many as hold the pool and the weights (`devices_needed`).
     patience_s: a client cancels a request that has waited this long without being admitted
-    (refused "timed out"; `Replay._abandon`); None: clients wait for ever."""
+    (refused "timed out"; `Replay._abandon`); None: clients wait for ever. steps_per_pass > 1:
+    multi-step scheduling (`kvquota.serving.passes`; the drift check then comes at the first
+    pass end at or after every drift_every-th step)."""
 
     model: str = "qwen2.5-72b"
     kv_format: str = "bf16"
