@@ -130,26 +130,6 @@ class HostMirror:
             raise InvariantError([f"decode rows the host mirror does not allow: {seqs.tolist()}"])
 
 
-def compose_step(executor, live, token_budget: int, mirror: HostMirror, host_bytes: int = 0):
-    """(StepBatch or None, decode requests, [(prefill request, chunk length)]) for this step:
-    every running request (oldest first, up to max_batch) decodes one token; the rest of the
-    token budget (at least one token: prefills always advance) goes to prefill chunks, oldest
-    admission first, at most chunk_size each."""
-    dec, prefilling, waiting = [], [], []  # one pass over the live requests (hundreds)
-    for r in live:
-        (dec if r.status == "running" else prefilling if r.status == "prefill" else waiting).append(r)
-    dec = dec[: executor.max_batch]
-    budget, pre = max(token_budget - len(dec), 1), []
-    for r in sorted(prefilling, key=lambda q: q.admitted):
-        if len(pre) == executor.prefill_rows or budget < 1:
-            break
-        pre.append((r, min(len(r.context) - r.prefilled, executor.chunk_size, budget)))
-        budget -= pre[-1][1]
-    if not dec and not pre:
-        return None, dec, pre
-    return build_batch(executor, dec, pre, mirror, host_bytes), dec, pre
-
-
 def build_batch(executor, dec, pre, mirror: HostMirror, host_bytes: int = 0) -> StepBatch:
     """The StepBatch of decode requests `dec` and prefill (request, chunk length) pairs `pre`,
     padded to the executor's fixed shapes, checked against the host mirror (the chunk's RoPE

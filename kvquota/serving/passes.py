@@ -2,19 +2,18 @@
 jitted call (vLLM's `num_scheduler_steps` idea, DESIGN.md §1.6).
 
 A `Scheduler` with steps_per_pass K > 1 frees, runs events and admits once, then plans K steps
-on the host (`compose_pass`: each running request decodes up to K tokens, the prefills take
-chunks at every step under the token budget), runs them in one call (`run_pass`: `_cost_pass`
-scans the cost model's step over them, so the state is exactly what K single steps with those
-rows leave) and absorbs them step by step (`absorb_pass`), one record per step. What ends inside
-the pass (a finish, an append refused) is seen at its end: frees, events, admissions and
-preemptions wait for the next pass, and a row that finishes its prefill decodes from the next
-pass on. The point is the wall: the per-step host work and device calls of a load test's step
-happen once per pass.
+on the host (`planning.compose_pass`: each running request decodes up to K tokens, the prefills
+take chunks at every step under the token budget), runs them in one call (`run_pass`:
+`_cost_pass` scans the cost model's step over them, so the state is exactly what K single steps
+with those rows leave) and absorbs them step by step (`PassSteps._run_pass`), one record per
+step. What ends inside the pass (a finish, an append refused) is seen at its end: frees, events,
+admissions and preemptions wait for the next pass, and a row that finishes its prefill decodes
+from the next pass on. The point is the wall: the per-step host work and device calls of a load
+test's step happen once per pass.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
@@ -24,78 +23,9 @@ import numpy as np
 
 from kvquota.errors import InvalidArgumentError
 from kvquota.sentinel import INVALID
-from kvquota.serving.executors import (HostMirror, StepBatch, build_batch, cost_step_core,
-                                       fake_tokens, unpack_step)
+from kvquota.serving.executors import cost_step_core, fake_tokens, unpack_step
 from kvquota.serving.metrics import Request
-
-
-@dataclasses.dataclass
-class PassBatch:
-    """The rows of a pass of K steps, as host arrays.
-
-    first: step 0's StepBatch; its decode rows are the pass's, row i decoding at steps
-      j < dec_count[i] (i32[Bd]) unless refused.
-    pre_seq/pre_key/pre_num: i32[K, Bp], i32[K, Bp, 2], i32[K, Bp]: each step's prefill rows, the
-      key of the token each samples, the chunk's length (row 0 is `first`'s).
-    pre_pools: i32[K, Bp, POOLS]: the prefill rows' table entries per pool (see StepBatch).
-    steps: the steps that hold rows (the rest of the K are padding).
-    """
-
-    first: StepBatch
-    dec_count: np.ndarray
-    pre_seq: np.ndarray
-    pre_key: np.ndarray
-    pre_num: np.ndarray
-    pre_pools: np.ndarray
-    steps: int
-
-
-def compose_pass(executor, live, token_budget: int, mirror: HostMirror, host_bytes: int,
-                 steps: int, limit: int):
-    """(PassBatch or None, decode requests, their token counts i32[rows], [[(prefill request,
-    chunk length)] per step]) for a pass of `steps` steps, at most `limit` of them with rows.
-    The decode rows are `compose_step`'s; each decodes min(limit, what it may still generate:
-    max_new_tokens, the table, the context) tokens, one if it has stop ids (the pass cannot see
-    a stop token). Each step's chunks follow compose_step's rule on what the earlier steps left,
-    with that step's decode rows counted against the budget."""
-    dec, prefilling = [], []
-    for r in live:
-        if r.status == "running":
-            dec.append(r)
-        elif r.status == "prefill":
-            prefilling.append(r)
-    dec = dec[: executor.max_batch]
-    c = executor.state_config
-    seqs = np.fromiter((r.seq for r in dec), np.int64, len(dec))
-    room = np.minimum(c.max_tokens_per_seq - mirror.length[seqs],
-                      c.model.max_context - mirror.position[seqs])
-    counts = np.minimum(room, [1 if r.stop_ids else min(limit, r.max_new_tokens - len(r.tokens))
-                               for r in dec]).astype(np.int32)
-    left = {r: len(r.context) - r.prefilled for r in prefilling}
-    order, pres = sorted(prefilling, key=lambda q: q.admitted), []
-    for j in range(limit):
-        budget, pre = max(token_budget - int((counts > j).sum()), 1), []
-        for r in order:
-            if len(pre) == executor.prefill_rows or budget < 1:
-                break
-            if left[r]:
-                pre.append((r, min(left[r], executor.chunk_size, budget)))
-                budget, left[r] = budget - pre[-1][1], left[r] - pre[-1][1]
-        pres.append(pre)
-    k = max(int(counts.max(initial=0)), max((j + 1 for j, p in enumerate(pres) if p), default=0))
-    if not k:
-        return None, dec, counts, []
-    first, pres = build_batch(executor, dec, pres[0], mirror, host_bytes), pres[:k]
-    bd, bp = len(first.dec_seq), len(first.pre_seq)
-    b = PassBatch(first, np.zeros(bd, np.int32), np.full((steps, bp), INVALID, np.int32),
-                  np.zeros((steps, bp, 2), np.int32), np.zeros((steps, bp), np.int32),
-                  np.zeros((steps, bp, mirror.pools.shape[1]), np.int32), k)
-    b.dec_count[: len(dec)] = counts
-    for j, pre in enumerate(pres):
-        for i, (r, n) in enumerate(pre):
-            b.pre_seq[j, i], b.pre_num[j, i], b.pre_key[j, i] = r.seq, n, (r.id, len(r.tokens))
-            b.pre_pools[j, i] = mirror.pools[r.seq]
-    return b, dec, counts, pres
+from kvquota.serving.planning import PassBatch, compose_pass
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))

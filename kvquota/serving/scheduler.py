@@ -35,10 +35,11 @@ from kvquota.errors import (InvalidArgumentError, KVQuotaError, PoolFullError,
 from kvquota.reclaim.plan import get_reclaim_policy
 from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
-from kvquota.serving.executors import HostMirror, compose_step
+from kvquota.serving.executors import HostMirror
 from kvquota.serving.intake import Intake
 from kvquota.serving.metrics import Event, Request
 from kvquota.serving.passes import PassSteps
+from kvquota.serving.planning import compose_step
 from kvquota.serving.quota_view import QUOTA_REFUSALS, Parking, QuotaView, admit_batch
 
 INF = float("inf")
