@@ -21,11 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvquota.codes import REASONS, REFUSED_POOL_FULL, REFUSED_SEQ_FULL
 from kvquota.errors import InvalidArgumentError
 from kvquota.sentinel import INVALID
 from kvquota.serving.executors import cost_step_core, fake_tokens, unpack_step
 from kvquota.serving.metrics import Request
 from kvquota.serving.planning import PassBatch, compose_pass
+from kvquota.serving.preemption import Room, choose_victims, shortfalls
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
@@ -143,13 +145,41 @@ class PassSteps:
             self.counters.add("generated_tokens")
 
     def _refused_appends(self, refused):
-        """Appends refused ([(request, reason)]): victims chosen row by row, then preempted in
-        one call; the tenants are parked (the room is for the running rows to grow)."""
-        victims = []
+        """Appends refused ([(request, reason)]): a full table ends its request; for the rest,
+        rounds of preemption until they would fit (`preemption`: the youngest running request
+        of the tenant, of anyone's for the pool), then their tenants, and the victims' tenants,
+        are parked: the room is for the running rows to grow."""
+        rows, victims_of = [], set()  # the victims' tenants
         for r, reason in refused:
-            if r.status == "running" and r not in victims:  # not another row's victim
-                self._append_refused(r, reason, victims)
-        if victims:
-            self._preempt(victims)
+            self.counters.refused(reason)
+            if reason == REFUSED_SEQ_FULL:
+                self._finish(r, "table full")
+            else:
+                rows.append((r, reason))
+        while rows:
+            short = shortfalls(rows, self._room(), self.m.length, self._geometry)
+            if not short:
+                break
+            victims, alone = choose_victims(short, rows, [q for q in self.live
+                                                          if q.status == "running"],
+                                            self.m.length, self._geometry)
+            for r in alone:  # nothing of its own to give up
+                self._finish(r, f"append refused: {REASONS[dict(rows)[r]]}")
+            if victims:
+                self._preempt(victims)
+                victims_of.update(q.tenant for q in victims)
+            elif not alone:
+                break
+            rows = [(r, reason) for r, reason in rows if r.status == "running"]
         for r, reason in refused:
             self.parked.refused(r.tenant, reason)
+        for t in victims_of - {r.tenant for r, _ in refused}:  # another tenant's room, for the
+            self.parked.refused(t, REFUSED_POOL_FULL)  # pool: not to be re-admitted into
+
+    def _room(self) -> Room:
+        """The refused appends' room now (two device reads: the tenants' use, pool 0)."""
+        self.syncs += self.quota.read(self.state) + 1
+        (token_quota, byte_quota, growing), (used, charged) = self.quota.quotas, self.quota.usage
+        return Room(token_room=token_quota - used,
+                    unit_room=np.where(growing, np.iinfo(np.int64).max, byte_quota - charged),
+                    pool0=int(self.alloc.allocatable_blocks(self.state)[0]))

@@ -9,9 +9,10 @@ quotas: a top-up); (3) admits queued requests (per-tenant FIFO, resumes first) i
 call; (4) runs one executor step (one jitted call and one readback, checked against the host
 mirror): running requests decode a token, prefilling ones get chunks under the token budget;
 (5) records the step (serving.metrics). With `steps_per_pass` K > 1 (the cost model only) a
-`step()` is a pass of K steps in one call (multi-step scheduling: `serving.passes`). An append
-refused for quota (pool) preempts the tenant's (batch's) newest running request, as vLLM does;
-a request alone and still refused ends with the reason. Every request ends finished (`finish`
+`step()` is a pass of K steps in one call (multi-step scheduling: `serving.passes`). Appends
+refused for quota (pool) preempt the tenant's (anyone's) newest running requests until they
+would fit, as vLLM does (`serving.preemption`); a request alone and still refused ends with
+the reason. Every request ends finished (`finish`
 says why), refused (with the reason), or is still queued. Facade calls donate the state.
 """
 
@@ -28,8 +29,8 @@ import numpy as np
 from kvquota.allocator import Allocator
 from kvquota.codes import (FATE_COMPRESSED, FATE_EVICTED, FATE_PREEMPTED, FATE_RELEASED,
                            FATE_SUSPENDED, INT32_MAX, OK, REASONS, REFUSED_BYTE_QUOTA,
-                           REFUSED_POOL_FULL, REFUSED_SEQ_FULL, SEQ_IDLE, SEQ_PREEMPTED,
-                           SEQ_RUNNING, SEQ_SUSPENDED)
+                           REFUSED_POOL_FULL, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING,
+                           SEQ_SUSPENDED)
 from kvquota.errors import (InvalidArgumentError, KVQuotaError, PoolFullError,
                             QuotaExceededError)
 from kvquota.reclaim.plan import get_reclaim_policy
@@ -40,6 +41,7 @@ from kvquota.serving.intake import Intake
 from kvquota.serving.metrics import Event, Request
 from kvquota.serving.passes import PassSteps
 from kvquota.serving.planning import compose_step
+from kvquota.serving.preemption import Geometry
 from kvquota.serving.quota_view import QUOTA_REFUSALS, Parking, QuotaView, admit_batch
 
 INF = float("inf")
@@ -88,6 +90,7 @@ class Scheduler(Intake, PassSteps):
         self.clock, self.wake_s, self._due = 0.0, INF, (INT32_MAX, INF)
         self.m = HostMirror(self.state, self.config if executor.cost_model else None)
         self.quota = QuotaView(self.config)
+        self._geometry = Geometry.of(self.config)  # of the refused appends' victims
 
     # ---- the step ----------------------------------------------------------------------------
     @property
@@ -431,17 +434,6 @@ class Scheduler(Intake, PassSteps):
         self.counters.add("finished")
         self.live.remove(r)
         self._release.append(r)
-
-    def _append_refused(self, r: Request, reason: int, victims: list):
-        """Victim: the youngest running request of r's tenant (any, if the pool is full)."""
-        self.counters.refused(reason)
-        if reason == REFUSED_SEQ_FULL:
-            return self._finish(r, "table full")
-        pool = [q for q in self.live if q.status == "running" and q not in victims and (
-            reason == REFUSED_POOL_FULL or q.tenant == r.tenant)]
-        if len(pool) <= 1:  # alone and still refused: nothing of its own to give up
-            return self._finish(r, f"append refused: {REASONS[reason]}")
-        victims.append(max(pool, key=lambda q: q.admitted))
 
     # ---- records -----------------------------------------------------------------------------
     def summary(self) -> dict:
