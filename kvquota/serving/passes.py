@@ -177,7 +177,7 @@ class PassSteps:
             self.parked.refused(t, REFUSED_POOL_FULL)  # pool: not to be re-admitted into
 
     def _room(self) -> Room:
-        """The refused appends' room now (two device reads: the tenants' use, pool 0)."""
+        """The refused appends' room now (up to two device reads: the tenants' use, pool 0)."""
         self.syncs += self.quota.read(self.state) + 1
         (token_quota, byte_quota, growing), (used, charged) = self.quota.quotas, self.quota.usage
         return Room(token_room=token_quota - used,

@@ -17,7 +17,8 @@ def step_rows(executor, live):
     oldest admission first): one pass over the live requests (hundreds)."""
     dec, prefilling, waiting = [], [], []
     for r in live:
-        (dec if r.status == "running" else prefilling if r.status == "prefill" else waiting).append(r)
+        rows = dec if r.status == "running" else prefilling if r.status == "prefill" else waiting
+        rows.append(r)
     return dec[: executor.max_batch], sorted(prefilling, key=lambda q: q.admitted)
 
 

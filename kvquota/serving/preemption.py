@@ -11,9 +11,11 @@ The scheduler works in rounds (`Scheduler._refused_appends`): read the room, ask
 which groups of refused rows still do not fit, ask `choose_victims` for this round's victims,
 preempt them, read again. A round takes, youngest first, only as many victims as could close the
 shortfall if each freed everything it holds (its tokens, its table's blocks at the largest unit):
-an upper bound on what it frees, so the rounds preempt exactly the requests that preempting one
-at a time and reading the room after each would, in fewer device calls. A group whose only
-running request is its own refused row cannot make room: that request ends ("alone").
+an upper bound on what it frees, or until every refused row of the group is a victim itself. So,
+for a group alone, the rounds preempt exactly the requests that preempting one at a time and
+reading the room after each would (a hypothesis test checks it), in fewer device calls. A
+group whose only running request is its own refused row cannot make room: that request ends
+("alone").
 """
 
 from __future__ import annotations
