@@ -56,6 +56,7 @@ class Geometry:
 
 
 def group_of(tenant: int, reason: int) -> int:
+    """Whose room a refused row waits for: pool 0's (POOL) or its tenant's quota."""
     return POOL if reason == REFUSED_POOL_FULL else tenant
 
 

@@ -12,8 +12,8 @@ mirror): running requests decode a token, prefilling ones get chunks under the t
 `step()` is a pass of K steps in one call (multi-step scheduling: `serving.passes`). Appends
 refused for quota (pool) preempt the tenant's (anyone's) newest running requests until they
 would fit, as vLLM does (`serving.preemption`); a request alone and still refused ends with
-the reason. Every request ends finished (`finish`
-says why), refused (with the reason), or is still queued. Facade calls donate the state.
+the reason. Every request ends finished (`finish` says why), refused (with the reason), or is
+still queued. Facade calls donate the state.
 """
 
 from __future__ import annotations
