@@ -27,7 +27,7 @@ from kvquota.sentinel import INVALID
 from kvquota.serving.executors import cost_step_core, fake_tokens, unpack_step
 from kvquota.serving.metrics import Request
 from kvquota.serving.planning import PassBatch, compose_pass
-from kvquota.serving.preemption import Room, choose_victims, shortfalls
+from kvquota.serving.preemption import POOL, Room, choose_victims, group_of, shortfalls
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
@@ -157,7 +157,7 @@ class PassSteps:
             else:
                 rows.append((r, reason))
         while rows:
-            short = shortfalls(rows, self._room(), self.m.length, self._geometry)
+            short = shortfalls(rows, self._room(rows), self.m.length, self._geometry)
             if not short:
                 break
             victims, alone = choose_victims(short, rows, [q for q in self.live
@@ -176,10 +176,12 @@ class PassSteps:
         for t in victims_of - {r.tenant for r, _ in refused}:  # another tenant's room, for the
             self.parked.refused(t, REFUSED_POOL_FULL)  # pool: not to be re-admitted into
 
-    def _room(self) -> Room:
-        """The refused appends' room now (up to two device reads: the tenants' use, pool 0)."""
-        self.syncs += self.quota.read(self.state) + 1
-        (token_quota, byte_quota, growing), (used, charged) = self.quota.quotas, self.quota.usage
-        return Room(token_room=token_quota - used,
-                    unit_room=np.where(growing, np.iinfo(np.int64).max, byte_quota - charged),
-                    pool0=int(self.alloc.allocatable_blocks(self.state)[0]))
+    def _room(self, rows) -> Room:
+        """The refused appends' room now: the tenants' (a device read if stale) and, only when
+        a row was refused for the pool, pool 0's (one more)."""
+        tokens, units, reads = self.quota.room(self.state)
+        pool0 = 0
+        if any(group_of(r.tenant, reason) == POOL for r, reason in rows):
+            pool0, reads = int(self.alloc.allocatable_blocks(self.state)[0]), reads + 1
+        self.syncs += reads
+        return Room(token_room=tokens, unit_room=units, pool0=pool0)

@@ -60,13 +60,18 @@ def group_of(tenant: int, reason: int) -> int:
     return POOL if reason == REFUSED_POOL_FULL else tenant
 
 
+def _at_boundary(r, length, geo: Geometry) -> int:
+    """1 if request r's next token starts a block (its append needs one), else 0."""
+    return int(length[r.seq] % geo.block_size == 0)
+
+
 def _needs(rows, length, geo: Geometry):
     """{group: (tokens, units or blocks)} the refused rows [(request, reason)] need: one token
     each, and one block (pool 0's units for a quota group) at a block boundary."""
     need = {}
     for r, reason in rows:
         g = group_of(r.tenant, reason)
-        boundary = int(length[r.seq] % geo.block_size == 0)
+        boundary = _at_boundary(r, length, geo)
         tokens, blocks = need.get(g, (0, 0))
         need[g] = (tokens + 1, blocks + boundary * (1 if g == POOL else geo.unit0))
     return need
@@ -94,7 +99,7 @@ def choose_victims(short: dict, rows, running, length, geo: Geometry):
     its shortfall or all its refused rows are victims; alone: the refused rows of the groups
     with one running request."""
     victims, alone = [], []
-    own = {r: (group_of(r.tenant, reason), int(length[r.seq] % geo.block_size == 0))
+    own = {r: (group_of(r.tenant, reason), _at_boundary(r, length, geo))
            for r, reason in rows}  # a refused victim's own need goes with it
     for g, (tokens, units) in short.items():
         pool = sorted((q for q in running if g == POOL or q.tenant == g),

@@ -87,6 +87,14 @@ class QuotaView:
             self.usage = self._usage(*got["usage"])
         return 1
 
+    def room(self, state) -> tuple[np.ndarray, np.ndarray, int]:
+        """(token room i64[T], device-unit room i64[T], device reads made): what each tenant
+        may still take; a growing tenant's appends go past its byte quota (no unit limit)."""
+        reads = self.read(state)
+        (token_quota, byte_quota, growing), (used, charged) = self.quotas, self.usage
+        units = np.where(growing, np.iinfo(np.int64).max, byte_quota - charged)
+        return token_quota - used, units, reads
+
     def sure_refusals(self, rows) -> dict:
         """{row index: reason} for the Scheduler rows the device refuses for sure (module
         docstring); rows are requests in batch order."""
