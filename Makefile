@@ -12,7 +12,7 @@ demo: $(VENV)/.installed-runtime
 	$(PY) -m experiments.reclaim_demo
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -m "not slow" -n auto --maxprocesses=4 --dist loadfile
+	$(PY) -m pytest -m "not slow" -n logical --maxprocesses=4 --dist loadfile
 
 # The venv's pip is brought to the version that built the cached wheels (llama.cpp above all).
 $(PY):
