@@ -18,12 +18,8 @@ import sys
 
 import numpy as np
 
+from kvquota.serving.metrics import read_json_lines
 from kvquota.sim.trace_io import load_trace
-
-
-def lines(path: pathlib.Path) -> list:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def cut_time(run: pathlib.Path, tenant: int) -> float:
@@ -35,7 +31,7 @@ def cut_time(run: pathlib.Path, tenant: int) -> float:
 
 
 def tail(run: pathlib.Path, tenant: int, big: int) -> dict:
-    requests = lines(run / "requests.jsonl")
+    requests = read_json_lines(run / "requests.jsonl")
     policy = os.environ.get("POLICY", requests[0]["policy"] if requests else "")
     cut = cut_time(run, tenant)
     mine = [r for r in requests if r["policy"] == policy and r["tenant"] == tenant
