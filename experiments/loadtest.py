@@ -34,6 +34,14 @@ turns it off), so a rerun on the same machine loads them, and metrics.json names
 to jax tracing, lowering and compiling (or loading from the cache): compile_s, of
 compiled_programs programs (shared_compile_s of it before the first event).
 
+Policies can also run as separate jobs (one --policies each, same flags) and be merged into one
+run directory, files, table and plots as one run of them all would have written:
+
+  python -m experiments.loadtest --merge=runs/loadtest-aaaa,runs/loadtest-bbbb --json
+
+(the runs must come from the same commit, load config and trace; `merged_from` in metrics.json
+names them, with their commands and wall times).
+
 Step jitter is |step_s - median of the previous --jitter_window busy steps' step_s|; goodput is
 the output tokens of requests that ended normally within --slo_ttft_s and --slo_tpot_s, per
 modelled second; fragmentation is the unused token slots of the running rows' blocks, in bytes.
@@ -57,11 +65,13 @@ import kvquota as kq  # noqa: E402
 from experiments import cli, runs  # noqa: E402
 
 FLAGS = flags.FLAGS
+MEASUREMENT_FLAGS = set()  # the flags that decide a measurement (filled by define_flags)
 PLOT_POLICY_COLORS = ("C0", "C1", "C2", "C3", "C4")
 
 
 def define_flags():
     f = flags
+    before = set(FLAGS)
     f.DEFINE_string("trace", None, "A trace JSONL file to replay (default: generate one).")
     f.DEFINE_integer("requests", 100_000, "Requests of the generated trace.", lower_bound=1)
     f.DEFINE_integer("seed", 0, "Seed of the generated trace.", lower_bound=0)
@@ -147,6 +157,9 @@ def define_flags():
     f.DEFINE_boolean("real_check", False, "Also run the small real case (SmolLM2 on CPU).")
     f.DEFINE_boolean("real_check_only", False, "Run only the small real case (its own run "
                      "directory, loadtest_real-<key>).")
+    MEASUREMENT_FLAGS.update(set(FLAGS) - before)  # what --merge takes from its runs instead
+    f.DEFINE_list("merge", [], "Run directories of load tests of disjoint policies (same commit, "
+                  "config and trace) to merge into one run directory, instead of measuring.")
     runs.define_flags()
 
 
@@ -188,6 +201,11 @@ def describe(m: dict) -> str:
 
 def main(argv):
     del argv
+    root = FLAGS.runs_dir
+    if not FLAGS["runs_dir"].present:
+        root = str(runs.REPO / runs.RUNS_DIR)  # the repo's runs/, from any working directory
+    if FLAGS.merge:
+        return merge(root)
     cfg = load_config()  # typed errors: one line, status 2, before any heavy work
     if FLAGS.trace is None:
         tc = trace_config()
@@ -204,9 +222,6 @@ def main(argv):
               "policies": list(FLAGS.policies), "real_check": FLAGS.real_check}
     if FLAGS.trace is not None:
         config["trace_sha256"] = kq.sim.loadtest_io.file_sha256(path)
-    root = FLAGS.runs_dir
-    if not FLAGS["runs_dir"].present:
-        root = str(runs.REPO / runs.RUNS_DIR)  # the repo's runs/, from any working directory
     if FLAGS.real_check_only:
         return real_check_only(root)
     run = runs.open_run("loadtest", "experiments.loadtest", config, seed=FLAGS.seed,
@@ -222,6 +237,11 @@ def main(argv):
         summary["wall_seconds"] = time.perf_counter() - _T0
         summary["compilation_cache"] = jax.config.jax_compilation_cache_dir  # speeds reruns
         summary = run.finish(summary, plot)
+    report(summary, run)
+
+
+def report(summary: dict, run):
+    """The summary to stdout (--json: one line) and --out; exit status 1 on ledger drift."""
     summary["wall_seconds"] = time.perf_counter() - _T0
     if FLAGS.out:
         pathlib.Path(FLAGS.out).parent.mkdir(parents=True, exist_ok=True)
@@ -236,6 +256,26 @@ def main(argv):
     if bad:
         print(f"error: ledger drift is not 0: {bad} (run directory {run.path})", file=sys.stderr)
         sys.exit(1)
+
+
+def merge(root: str):
+    """--merge: the runs' files merged into a new run directory (nothing is measured)."""
+    given = sorted(name for name in MEASUREMENT_FLAGS if FLAGS[name].present)
+    if given:
+        raise cli.BadInput(f"--merge takes every setting from its runs; drop --{given[0]}")
+    sources = [pathlib.Path(d).resolve() for d in FLAGS.merge]
+    configs, _ = kq.sim.loadtest_io.mergeable(sources)  # before any directory is made
+    config = {**configs[0]["config"], "policies": [p for c in configs
+                                                    for p in c["config"]["policies"]],
+              "merged_from": [d.name for d in sources]}
+    run = runs.open_run("loadtest", "experiments.loadtest", config, seed=configs[0]["seed"],
+                        root=root, overwrite=FLAGS.overwrite)
+    if run.complete:
+        cli.note(f"{run.path} already holds this merge; showing it again")
+        summary = run.stored_summary()
+    else:
+        summary = run.finish(kq.sim.loadtest_io.merge_runs(sources, run.path), plot)
+    report(summary, run)
 
 
 def real_check_only(root: str):

@@ -3,8 +3,9 @@
 `measure` writes into a run directory (experiments/runs.py): trace.jsonl (the replayed trace:
 replay it exactly with --trace), points.jsonl (one compact sample per step and policy),
 requests.jsonl (one record per request and policy), summary.md (the table), and returns the
-summary that becomes metrics.json. `plot` draws latency_cdf.png and bytes_timeline.png from
-those files only.
+summary that becomes metrics.json. `merge_runs` writes the same files from runs of other
+policies on the same trace, made apart (one job per policy). `plot` draws latency_cdf.png and
+bytes_timeline.png from those files only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import jax
 import numpy as np
 
+from kvquota.errors import InvalidArgumentError
 from kvquota.serving.metrics import read_json_lines
 from kvquota.sim import figures
 from kvquota.sim import loadtest as lt
@@ -29,6 +31,7 @@ from kvquota.sim.trace_io import save_trace
 from kvquota.sim.trace_io import trace_summary
 
 REQUESTS, POINTS = "requests.jsonl", "points.jsonl"  # as experiments/runs.py names them
+CONFIG, METRICS, TRACE = "config.json", "metrics.json", "trace.jsonl"
 
 
 def as_dict(obj) -> dict:
@@ -162,6 +165,69 @@ def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False,
 
         summary["real_check"] = realcheck.run_check(list(policies))
         summary["table"] += "\n\n" + realcheck.describe(summary["real_check"])
+    (out / "summary.md").write_text(summary["table"] + "\n")
+    return summary
+
+
+def mergeable(sources) -> tuple[list, list]:
+    """(config.json, metrics.json) of each run directory in `sources`, if `merge_runs` can merge
+    them: at least two complete load-test runs of disjoint policies, made at the same commit
+    from the same load config and trace (byte for byte), without the real check. Else
+    InvalidArgumentError naming the first run that cannot be merged and why."""
+    sources = [pathlib.Path(s) for s in sources]
+    if len(sources) < 2:
+        raise InvalidArgumentError("merging needs at least two run directories")
+    configs, summaries = [], []
+    for src in sources:
+        if not (src / METRICS).is_file():
+            raise InvalidArgumentError(f"{src} holds no complete load-test run (no {METRICS})")
+        configs.append(json.loads((src / CONFIG).read_text()))
+        summaries.append(json.loads((src / METRICS).read_text()))
+    first, first_summary = configs[0], summaries[0]
+    policies = [p for s in summaries for p in s["policies"]]
+    if len(set(policies)) != len(policies):
+        raise InvalidArgumentError(f"the runs share a policy: {policies}")
+    settings = {k: v for k, v in first["config"].items() if k != "policies"}
+    trace_sha = file_sha256(sources[0] / TRACE)
+    for src, c, s in zip(sources, configs, summaries):
+        why = ("it is not a load-test run" if c.get("experiment") != "loadtest" else
+               "it ran the real check" if c["config"].get("real_check") else
+               f"commit {c['git_commit']} != {first['git_commit']}"
+               if c["git_commit"] != first["git_commit"] else
+               "its load or trace config differs"
+               if {k: v for k, v in c["config"].items() if k != "policies"} != settings else
+               "its trace.jsonl differs" if file_sha256(src / TRACE) != trace_sha else
+               "its setup figures differ"
+               if any(s[k] != first_summary[k] for k in ("setup", "trace_summary", "slo")) else "")
+        if why:
+            raise InvalidArgumentError(f"cannot merge {src}: {why}")
+    return configs, summaries
+
+
+def merge_runs(sources, out_dir) -> dict:
+    """Merge the runs `sources` (`mergeable`) into `out_dir`, as one run of all their policies
+    would have written it (a policy's replay never depends on the others, so its figures are
+    the same): requests.jsonl and points.jsonl concatenated in `sources` order, the trace
+    copied, the per-policy figures side by side, the table. Returns the summary (metrics.json's
+    figures), which names the sources, their commands, wall times and `git_dirty`
+    (`merged_from`)."""
+    configs, summaries = mergeable(sources)
+    sources, first_summary = [pathlib.Path(s) for s in sources], summaries[0]
+    out = pathlib.Path(out_dir)
+    shutil.copyfile(sources[0] / TRACE, out / TRACE)
+    for name in (REQUESTS, POINTS):
+        with open(out / name, "w") as f:
+            for src in sources:
+                with open(src / name) as part:
+                    shutil.copyfileobj(part, f)
+    summary = {k: first_summary[k] for k in ("requests", "blocks", "setup", "trace_summary",
+                                              "slo")}
+    summary["policies"] = {p: v for s in summaries for p, v in s["policies"].items()}
+    summary["merged_from"] = [{"run_dir": str(src), "policies": list(s["policies"]),
+                               "command": c["command"], "git_dirty": c["git_dirty"],
+                               "wall_seconds": s["wall_seconds"]}
+                              for src, c, s in zip(sources, configs, summaries)]
+    summary["table"] = table(summary)
     (out / "summary.md").write_text(summary["table"] + "\n")
     return summary
 

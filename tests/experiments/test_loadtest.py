@@ -99,3 +99,94 @@ def test_a_larger_run(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(p["ledger_drift_bytes_max"] == 0 for p in out["policies"].values())
     assert out["policies"]["preempt-all"]["preemptions"] > 0
+
+
+def _split(run, parts, root):
+    """The 5-policy run `run` cut into one fake run directory per part (its policies' lines
+    and figures only), as separate jobs of those policies would have written them."""
+    config, metrics = (json.loads((run / n).read_text()) for n in ("config.json", "metrics.json"))
+    out = []
+    for k, part in enumerate(parts):
+        d = root / f"part{k}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(
+            {**config, "config": {**config["config"], "policies": list(part)}}))
+        (d / "metrics.json").write_text(json.dumps(
+            {**metrics, "policies": {p: metrics["policies"][p] for p in part}}))
+        for name in ("requests.jsonl", "points.jsonl"):
+            lines = (run / name).read_text().splitlines(keepends=True)
+            (d / name).write_text("".join(x for x in lines if json.loads(x)["policy"] in part))
+        (d / "trace.jsonl").write_bytes((run / "trace.jsonl").read_bytes())
+        out.append(d)
+    return out
+
+
+def test_merge_puts_separate_jobs_back_together(tiny, tmp_path):
+    out, runs = tiny
+    run = next(runs.glob("loadtest-*"))
+    parts = _split(run, (POLICIES[:2], POLICIES[2:]), tmp_path)
+    merged_root = tmp_path / "merged"
+    proc = run_cli("loadtest", f"--merge={parts[0]},{parts[1]}", "--json",
+                   f"--runs_dir={merged_root}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert merged["policies"] == out["policies"] and merged["table"] == out["table"]
+    assert [m["policies"] for m in merged["merged_from"]] == [list(POLICIES[:2]),
+                                                             list(POLICIES[2:])]
+    assert merged["config"]["policies"] == list(POLICIES)
+    d = next(merged_root.glob("loadtest-*"))
+    for name in ("requests.jsonl", "points.jsonl", "trace.jsonl", "summary.md"):
+        assert (d / name).read_bytes() == (run / name).read_bytes(), name
+    assert (d / "latency_cdf.png").stat().st_size > 0
+
+
+def test_merge_refuses_runs_that_do_not_fit(tiny, tmp_path):
+    _, runs = tiny
+    run = next(runs.glob("loadtest-*"))
+    a, b, c, d = _split(run, (POLICIES[:2], POLICIES[1:3], POLICIES[3:4], POLICIES[4:]),
+                        tmp_path)  # a and b share preempt-all
+    config = json.loads((c / "config.json").read_text())
+    config["config"]["load"]["patience_s"] = 5.0  # c: another config
+    (c / "config.json").write_text(json.dumps(config))
+    with open(d / "trace.jsonl", "a") as f:  # d: another trace
+        f.write("\n")
+    for sources, message in (((a, b), "share a policy"), ((a, c), "config differs"),
+                             ((a, d), "trace.jsonl differs"), ((a,), "at least two"),
+                             ((a, tmp_path / "none"), "no metrics.json")):
+        with pytest.raises(kq.InvalidArgumentError, match=message):
+            kq.sim.loadtest_io.mergeable(sources)
+    out_root = tmp_path / "merged"
+    for args, message in (([f"--merge={a},{b}"], "share a policy"),
+                          ([f"--merge={a},{c}", "--requests=5"], "drop --requests")):
+        proc = run_cli("loadtest", *args, f"--runs_dir={out_root}", timeout=120)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
+        assert not out_root.exists()  # nothing written
+
+
+@pytest.mark.slow  # ~40 s: two more CLI runs
+def test_policies_run_as_separate_jobs_and_merged_give_the_joint_runs_figures(tiny, tmp_path):
+    out, runs = tiny
+    joint = next(runs.glob("loadtest-*"))
+    parts = []
+    for policy in ("grow-no-admit", "tiered"):
+        proc = run_cli("loadtest", *TINY, f"--policies={policy}", "--json",
+                       f"--runs_dir={tmp_path / policy}", timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        parts.append(next((tmp_path / policy).glob("loadtest-*")))
+    proc = run_cli("loadtest", f"--merge={parts[0]},{parts[1]}", "--json",
+                   f"--runs_dir={tmp_path / 'merged'}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert list(merged["policies"]) == ["grow-no-admit", "tiered"]
+    for name, figures in merged["policies"].items():
+        a, b = dict(figures), dict(out["policies"][name])
+        for field in kq.sim.loadtest_io.PROCESS_FIELDS:  # wall and compile times
+            a.pop(field), b.pop(field)
+        assert a == b, name
+    lines = (joint / "requests.jsonl").read_text().splitlines()
+    by_policy = {p: [x for x in lines if json.loads(x)["policy"] == p] for p in merged["policies"]}
+    merged_dir = next((tmp_path / "merged").glob("loadtest-*"))
+    assert (merged_dir / "requests.jsonl").read_text().splitlines() == \
+        by_policy["grow-no-admit"] + by_policy["tiered"]
