@@ -3,8 +3,8 @@
 `measure` writes into a run directory (experiments/runs.py): trace.jsonl (the replayed trace:
 replay it exactly with --trace), points.jsonl (one compact sample per step and policy),
 requests.jsonl (one record per request and policy), summary.md (the table), and returns the
-summary that becomes metrics.json. `merge_runs` writes the same files from runs of other
-policies on the same trace, made apart (one job per policy). `plot` draws latency_cdf.png and
+summary that becomes metrics.json. `merge_runs` writes the same files from runs of disjoint
+policies on one trace, made apart (one job per policy). `plot` draws latency_cdf.png and
 bytes_timeline.png from those files only.
 """
 
@@ -209,7 +209,7 @@ def merge_runs(sources, out_dir) -> dict:
     would have written it (a policy's replay never depends on the others, so its figures are
     the same): requests.jsonl and points.jsonl concatenated in `sources` order, the trace
     copied, the per-policy figures side by side, the table. Returns the summary (metrics.json's
-    figures), which names the sources, their commands, wall times and `git_dirty`
+    figures), which names the sources, their commands, commits and wall times
     (`merged_from`)."""
     configs, summaries = mergeable(sources)
     sources, first_summary = [pathlib.Path(s) for s in sources], summaries[0]
@@ -224,8 +224,8 @@ def merge_runs(sources, out_dir) -> dict:
                                               "slo")}
     summary["policies"] = {p: v for s in summaries for p, v in s["policies"].items()}
     summary["merged_from"] = [{"run_dir": str(src), "policies": list(s["policies"]),
-                               "command": c["command"], "git_dirty": c["git_dirty"],
-                               "wall_seconds": s["wall_seconds"]}
+                               "command": c["command"], "git_commit": c["git_commit"],
+                               "git_dirty": c["git_dirty"], "wall_seconds": s["wall_seconds"]}
                               for src, c, s in zip(sources, configs, summaries)]
     summary["table"] = table(summary)
     (out / "summary.md").write_text(summary["table"] + "\n")
