@@ -274,7 +274,9 @@ def merge(root: str):
         cli.note(f"{run.path} already holds this merge; showing it again")
         summary = run.stored_summary()
     else:
-        summary = run.finish(kq.sim.loadtest_io.merge_runs(sources, run.path), plot)
+        summary = kq.sim.loadtest_io.merge_runs(sources, run.path)
+        summary["wall_seconds"] = time.perf_counter() - _T0  # the merge's (merged_from: the runs')
+        summary = run.finish(summary, plot)
     report(summary, run)
 
 

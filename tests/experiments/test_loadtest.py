@@ -135,6 +135,7 @@ def test_merge_puts_separate_jobs_back_together(tiny, tmp_path):
                                                              list(POLICIES[2:])]
     assert merged["config"]["policies"] == list(POLICIES)
     d = next(merged_root.glob("loadtest-*"))
+    assert json.loads((d / "metrics.json").read_text())["wall_seconds"] > 0  # the merge's
     for name in ("requests.jsonl", "points.jsonl", "trace.jsonl", "summary.md"):
         assert (d / name).read_bytes() == (run / name).read_bytes(), name
     assert (d / "latency_cdf.png").stat().st_size > 0
