@@ -1,6 +1,7 @@
 """experiments.loadtest: the --json contract at tiny sizes (all five policies, drift 0), the run
 directory (trace, per-step and per-request lines, plots), an exact replay of the saved trace,
-and flag errors (one line, exit 2, before any heavy work)."""
+flag errors (one line, exit 2, before any heavy work), and --merge of policies run as separate
+jobs (the joint run's files and figures; runs that do not fit refused, nothing written)."""
 
 import json
 import os
