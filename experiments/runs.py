@@ -45,6 +45,7 @@ from typing import Callable
 from absl import flags, logging
 
 from experiments import cli
+from kvquota.serving.metrics import read_json_lines
 
 FLAGS = flags.FLAGS
 RUNS_DIR = "runs"
@@ -136,10 +137,7 @@ def _write_json(path: pathlib.Path, record: dict, indent: int | None = 2) -> Non
 
 
 def read_points(run_dir) -> list[dict]:
-    path = pathlib.Path(run_dir) / POINTS
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_json_lines(pathlib.Path(run_dir) / POINTS)
 
 
 def read_metrics(run_dir) -> dict:
