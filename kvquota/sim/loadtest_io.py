@@ -183,25 +183,37 @@ def mergeable(sources) -> tuple[list, list]:
             raise InvalidArgumentError(f"{src} holds no complete load-test run (no {METRICS})")
         configs.append(json.loads((src / CONFIG).read_text()))
         summaries.append(json.loads((src / METRICS).read_text()))
-    first, first_summary = configs[0], summaries[0]
     policies = [p for s in summaries for p in s["policies"]]
     if len(set(policies)) != len(policies):
         raise InvalidArgumentError(f"the runs share a policy: {policies}")
-    settings = {k: v for k, v in first["config"].items() if k != "policies"}
-    trace_sha = file_sha256(sources[0] / TRACE)
     for src, c, s in zip(sources, configs, summaries):
-        why = ("it is not a load-test run" if c.get("experiment") != "loadtest" else
-               "it ran the real check" if c["config"].get("real_check") else
-               f"commit {c['git_commit']} != {first['git_commit']}"
-               if c["git_commit"] != first["git_commit"] else
-               "its load or trace config differs"
-               if {k: v for k, v in c["config"].items() if k != "policies"} != settings else
-               "its trace.jsonl differs" if file_sha256(src / TRACE) != trace_sha else
-               "its setup figures differ"
-               if any(s[k] != first_summary[k] for k in ("setup", "trace_summary", "slo")) else "")
+        why = _unmergeable(c, s, configs[0], summaries[0])
         if why:
             raise InvalidArgumentError(f"cannot merge {src}: {why}")
+    traces = [file_sha256(src / TRACE) for src in sources]  # each read once, the others fit
+    for src, trace in zip(sources, traces):
+        if trace != traces[0]:
+            raise InvalidArgumentError(f"cannot merge {src}: its trace.jsonl differs")
     return configs, summaries
+
+
+def _unmergeable(config: dict, summary: dict, first: dict, first_summary: dict) -> str:
+    """Why a run (its config.json and metrics.json) cannot be merged with the first one ("" if
+    it can; the traces are compared apart)."""
+    def settings(c):  # everything that decides a measurement but the policies
+        return {k: v for k, v in c["config"].items() if k != "policies"}
+
+    if config.get("experiment") != "loadtest":
+        return "it is not a load-test run"
+    if config["config"].get("real_check"):
+        return "it ran the real check"
+    if config["git_commit"] != first["git_commit"]:
+        return f"commit {config['git_commit']} != {first['git_commit']}"
+    if settings(config) != settings(first):
+        return "its load or trace config differs"
+    if any(summary[k] != first_summary[k] for k in ("setup", "trace_summary", "slo")):
+        return "its setup figures differ"
+    return ""
 
 
 def merge_runs(sources, out_dir) -> dict:
