@@ -44,8 +44,8 @@ from typing import Callable
 
 from absl import flags, logging
 
+import kvquota as kq
 from experiments import cli
-from kvquota.serving.metrics import read_json_lines
 
 FLAGS = flags.FLAGS
 RUNS_DIR = "runs"
@@ -137,7 +137,7 @@ def _write_json(path: pathlib.Path, record: dict, indent: int | None = 2) -> Non
 
 
 def read_points(run_dir) -> list[dict]:
-    return read_json_lines(pathlib.Path(run_dir) / POINTS)
+    return kq.read_json_lines(pathlib.Path(run_dir) / POINTS)
 
 
 def read_metrics(run_dir) -> dict:

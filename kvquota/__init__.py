@@ -145,6 +145,7 @@ from kvquota.serving import (
     Sampling,
     ScoreResult,
     generate,
+    read_json_lines,
     sample_tokens,
     score,
 )

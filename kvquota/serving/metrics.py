@@ -381,6 +381,7 @@ class JsonLines:
 
 
 def read_json_lines(path) -> list[dict]:
+    """The records of a JSONL file written by JsonLines (none when it does not exist yet)."""
     path = pathlib.Path(path)
     if not path.exists():
         return []
