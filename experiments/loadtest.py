@@ -264,7 +264,8 @@ def merge(root: str):
     if given:
         raise cli.BadInput(f"--merge takes every setting from its runs; drop --{given[0]}")
     sources = [pathlib.Path(d).resolve() for d in FLAGS.merge]
-    configs, _ = kq.sim.loadtest_io.mergeable(sources)  # before any directory is made
+    checked = kq.sim.loadtest_io.mergeable(sources)  # before any directory is made
+    configs = checked[0]
     config = {**configs[0]["config"], "policies": [p for c in configs
                                                     for p in c["config"]["policies"]],
               "merged_from": [d.name for d in sources]}
@@ -274,7 +275,7 @@ def merge(root: str):
         cli.note(f"{run.path} already holds this merge; showing it again")
         summary = run.stored_summary()
     else:
-        summary = kq.sim.loadtest_io.merge_runs(sources, run.path)
+        summary = kq.sim.loadtest_io.merge_runs(sources, run.path, checked)
         summary["wall_seconds"] = time.perf_counter() - _T0  # the merge's (merged_from: the runs')
         summary = run.finish(summary, plot)
     report(summary, run)

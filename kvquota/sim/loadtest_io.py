@@ -216,14 +216,15 @@ def _unmergeable(config: dict, summary: dict, first: dict, first_summary: dict) 
     return ""
 
 
-def merge_runs(sources, out_dir) -> dict:
+def merge_runs(sources, out_dir, checked=None) -> dict:
     """Merge the runs `sources` (`mergeable`) into `out_dir`, as one run of all their policies
     would have written it (a policy's replay never depends on the others, so its figures are
     the same): requests.jsonl and points.jsonl concatenated in `sources` order, the trace
     copied, the per-policy figures side by side, the table. Returns the summary (metrics.json's
     figures), which names the sources, their commands, commits and wall times
-    (`merged_from`)."""
-    configs, summaries = mergeable(sources)
+    (`merged_from`). checked: `mergeable(sources)`'s answer where the caller already has it
+    (then the runs are not read and their traces not hashed again)."""
+    configs, summaries = mergeable(sources) if checked is None else checked
     sources, first_summary = [pathlib.Path(s) for s in sources], summaries[0]
     out = pathlib.Path(out_dir)
     shutil.copyfile(sources[0] / TRACE, out / TRACE)
