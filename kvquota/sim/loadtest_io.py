@@ -177,12 +177,8 @@ def mergeable(sources) -> tuple[list, list]:
     sources = [pathlib.Path(s) for s in sources]
     if len(sources) < 2:
         raise InvalidArgumentError("merging needs at least two run directories")
-    configs, summaries = [], []
-    for src in sources:
-        if not (src / METRICS).is_file():
-            raise InvalidArgumentError(f"{src} holds no complete load-test run (no {METRICS})")
-        configs.append(json.loads((src / CONFIG).read_text()))
-        summaries.append(json.loads((src / METRICS).read_text()))
+    configs, summaries = zip(*(_read_run(src) for src in sources))
+    configs, summaries = list(configs), list(summaries)
     policies = [p for s in summaries for p in s["policies"]]
     if len(set(policies)) != len(policies):
         raise InvalidArgumentError(f"the runs share a policy: {policies}")
@@ -197,14 +193,28 @@ def mergeable(sources) -> tuple[list, list]:
     return configs, summaries
 
 
+def _read_run(src: pathlib.Path) -> tuple[dict, dict]:
+    """(config.json, metrics.json) of the finished load-test run in `src`, else
+    InvalidArgumentError (another experiment's run, a run cut short, a file that is not JSON)."""
+    for name in (METRICS, CONFIG, TRACE):
+        if not (src / name).is_file():
+            raise InvalidArgumentError(f"{src} holds no complete load-test run (no {name})")
+    try:
+        config, summary = (json.loads((src / name).read_text()) for name in (CONFIG, METRICS))
+    except ValueError as error:
+        raise InvalidArgumentError(f"cannot merge {src}: a file is not JSON ({error})") from None
+    if not (isinstance(config, dict) and config.get("experiment") == "loadtest"
+            and isinstance(summary, dict) and "policies" in summary):
+        raise InvalidArgumentError(f"cannot merge {src}: it is not a load-test run")
+    return config, summary
+
+
 def _unmergeable(config: dict, summary: dict, first: dict, first_summary: dict) -> str:
     """Why a run (its config.json and metrics.json) cannot be merged with the first one ("" if
     it can; the traces are compared apart)."""
     def settings(c):  # everything that decides a measurement but the policies
         return {k: v for k, v in c["config"].items() if k != "policies"}
 
-    if config.get("experiment") != "loadtest":
-        return "it is not a load-test run"
     if config["config"].get("real_check"):
         return "it ran the real check"
     if config["git_commit"] != first["git_commit"]:

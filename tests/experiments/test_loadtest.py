@@ -5,6 +5,7 @@ jobs (the joint run's files and figures; runs that do not fit refused, nothing w
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -152,13 +153,23 @@ def test_merge_refuses_runs_that_do_not_fit(tiny, tmp_path):
     (c / "config.json").write_text(json.dumps(config))
     with open(d / "trace.jsonl", "a") as f:  # d: another trace
         f.write("\n")
+    other, broken, cut_short = (tmp_path / name for name in ("other", "broken", "cut_short"))
+    for path in (other, broken, cut_short):
+        shutil.copytree(c, path)
+    (other / "config.json").write_text(json.dumps({"experiment": "bench_prefix"}))
+    (other / "metrics.json").write_text(json.dumps({"rows": []}))
+    (broken / "metrics.json").write_text("{")
+    (cut_short / "config.json").unlink()
     for sources, message in (((a, b), "share a policy"), ((a, c), "config differs"),
                              ((a, d), "trace.jsonl differs"), ((a,), "at least two"),
-                             ((a, tmp_path / "none"), "no metrics.json")):
+                             ((a, tmp_path / "none"), "no metrics.json"),
+                             ((a, other), "not a load-test run"), ((a, broken), "not JSON"),
+                             ((a, cut_short), "no config.json")):
         with pytest.raises(kq.InvalidArgumentError, match=message):
             kq.sim.loadtest_io.mergeable(sources)
     out_root = tmp_path / "merged"
     for args, message in (([f"--merge={a},{b}"], "share a policy"),
+                          ([f"--merge={other},{a}"], "not a load-test run"),
                           ([f"--merge={a},{c}", "--requests=5"], "drop --requests")):
         proc = run_cli("loadtest", *args, f"--runs_dir={out_root}", timeout=120)
         assert proc.returncode == 2, (args, proc.stderr[-2000:])
