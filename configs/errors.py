@@ -11,6 +11,11 @@ class KVQuotaError(ValueError):
     model, weights, tokenizer). A ValueError, so callers can also catch broadly."""
 
 
+class ConfigError(KVQuotaError):
+    """A static config (StateConfig, a model shape, a KV layout) with a size or option outside
+    its range: the message names the field and the rule."""
+
+
 class UnknownModelError(KVQuotaError):
     """A model preset name that is not registered."""
 

@@ -83,6 +83,7 @@ from kvquota.reports import (
 # ---- errors (one hierarchy under KVQuotaError) --------------------------------------------------
 from kvquota.errors import (
     BlockStateError,
+    ConfigError,
     ConfigMismatchError,
     ContextTooLongError,
     DoubleFreeError,

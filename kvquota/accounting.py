@@ -11,14 +11,15 @@ import dataclasses
 import math
 
 from configs.models import ModelConfig
+from configs.errors import ConfigError
 from configs.formats import KVFormat
 
 
 def check_positive(**sizes: int) -> None:
-    """Raises ValueError naming each size that is not a positive int (bools excluded)."""
+    """Raises ConfigError naming each size that is not a positive int (bools excluded)."""
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,7 +73,8 @@ class Allocator(TierOps, ReclaimOps):
     def _check_state(self, state):
         """The state the last op returned is one of this config by construction: only its
         donation is checked (the full check's device read waits for the op to finish)."""
-        if self._made is None or self._made() is not state:
+        made = None if self._made is None else self._made()  # None once it was collected
+        if made is None or made is not state:
             validate_state(self.config, state)
         elif any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(state)):
             raise StateMismatchError("state was donated to an earlier call")
@@ -92,10 +93,11 @@ class Allocator(TierOps, ReclaimOps):
     def _tenant_row(state, t: int) -> dict:
         """One tenant's ledger settings as Python values (one host read of the [T] columns)."""
         host = jax.device_get((state.tenants.token_quota, state.tenants.byte_quota,
-                               state.tenants.lease_expiry, state.tenants.salt))
-        tq, bq, lease, salt = (column[t] for column in host)
+                               state.tenants.lease_expiry, state.tenants.salt,
+                               state.tenants.growing))
+        tq, bq, lease, salt, growing = (column[t] for column in host)
         return dict(token_quota=int(tq), byte_quota=int(bq), lease_expiry=int(lease),
-                    salt=np.uint32(salt))
+                    salt=np.uint32(salt), growing=np.bool_(growing))
 
     def _tenant(self, state, tenant, *, registered=True) -> int:
         t = int_scalar("tenant", tenant, UnknownTenantError)
@@ -180,29 +182,32 @@ class Allocator(TierOps, ReclaimOps):
             salt = group_salt(self._nonneg("share_group", share_group, 2**31 - 1))
         if np.asarray(state.tenants.registered)[t]:
             raise TenantExistsError(f"tenant {t} is already registered")
-        return self._run("set_tenant", state, t, tq, units, lease, np.uint32(salt), donate=donate)
+        return self._run("set_tenant", state, t, tq, units, lease, np.uint32(salt),
+                         np.bool_(False), donate=donate)
 
     def set_quota(self, state, tenant, *, token_quota=None, byte_quota=None,
                   donate=False) -> tuple[KVState, TenantReport]:
         """Raise or cut a tenant's quotas (None keeps the current value). Cutting below current
         usage is allowed: the report says by how much it is over, which a reclaim then handles;
-        until then new admissions and appends of that tenant are refused."""
+        until then new admissions and appends of that tenant are refused. A new quota ends
+        grow-no-admit (a reclaim plan sets it again after its cut); lease and salt are kept."""
         self._check_state(state)
         t = self._tenant(state, tenant)
         row = self._tenant_row(state, t)
         tq = row["token_quota"] if token_quota is None else self._nonneg("token_quota", token_quota)
         units = row["byte_quota"] if byte_quota is None else self._quota_units(byte_quota)
         return self._run("set_tenant", state, t, tq, units, row["lease_expiry"], row["salt"],
-                         donate=donate)
+                         np.bool_(False), donate=donate)
 
     def set_lease(self, state, tenant, lease_expiry, *, donate=False):
-        """Move a tenant's lease expiry step (release_tenant is the action at expiry)."""
+        """Move a tenant's lease expiry step (release_tenant is the action at expiry); its
+        quotas, salt and grow-no-admit flag are kept."""
         self._check_state(state)
         t = self._tenant(state, tenant)
         lease = self._nonneg("lease_expiry", lease_expiry)
         row = self._tenant_row(state, t)
         return self._run("set_tenant", state, t, row["token_quota"], row["byte_quota"],
-                         lease, row["salt"], donate=donate)
+                         lease, row["salt"], row["growing"], donate=donate)
 
     def expired_tenants(self, state, step: int) -> np.ndarray:
         """Registered tenants whose lease_expiry <= step."""
@@ -239,6 +244,10 @@ class Allocator(TierOps, ReclaimOps):
                 f"tokens has {tok.shape[1]} columns; a sequence holds at most "
                 f"{c.max_tokens_per_seq} = {c.max_blocks_per_seq} blocks x {c.block_size}")
         real = ten != INVALID
+        bad = np.flatnonzero(real & ((ten < 0) | (ten >= c.num_tenants)))
+        if bad.size:
+            raise UnknownTenantError(f"tenants[{bad[0]}] = {ten[bad[0]]}: a tenant id is in "
+                                     f"[0, {c.num_tenants}), or {INVALID} for a padding row")
         for t in np.unique(ten[real]):
             self._tenant(state, t)
         if (real & ((lens < 1) | (lens > tok.shape[1]))).any():
@@ -247,8 +256,11 @@ class Allocator(TierOps, ReclaimOps):
         vocab = c.model.vocab_size
         if not 0 <= tok.min() <= tok.max() < vocab:  # some id out of range: in a prompt?
             in_prompt = real[:, None] & (np.arange(tok.shape[1])[None, :] < lens[:, None])
-            if ((tok < 0) | (tok >= vocab))[in_prompt].any():
-                raise TokenIdError(f"prompt token ids must be in [0, {vocab})")
+            bad = np.argwhere(((tok < 0) | (tok >= vocab)) & in_prompt)
+            if len(bad):
+                i, j = (int(x) for x in bad[0])
+                raise TokenIdError(f"tokens[{i}, {j}] = {tok[i, j]}: prompt token ids must be "
+                                   f"in [0, {vocab})")
         return self._run("admit", state, ten, tok, np.where(real, lens, 0).astype(np.int32), donate=donate)
 
     def append(self, state, seq_ids, tokens, *, donate=False) -> tuple[KVState, AppendReport]:
@@ -266,8 +278,10 @@ class Allocator(TierOps, ReclaimOps):
         if len(np.unique(real_ids)) != len(real_ids):
             raise DuplicateIdError("append: a sequence appears twice in one call")
         real = ids != INVALID
-        if ((tok < 0) | (tok >= c.model.vocab_size))[real].any():
-            raise TokenIdError(f"token ids must be in [0, {c.model.vocab_size})")
+        bad = np.flatnonzero(((tok < 0) | (tok >= c.model.vocab_size)) & real)
+        if bad.size:
+            raise TokenIdError(f"tokens[{bad[0]}] = {tok[bad[0]]}: token ids must be in "
+                               f"[0, {c.model.vocab_size})")
         if real_ids.size and (np.asarray(state.seqs.seq_lens)[real_ids] >= c.max_tokens_per_seq).any():
             raise SequenceTooLongError(
                 f"append: a sequence already holds {c.max_tokens_per_seq} tokens (table full)")

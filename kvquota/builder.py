@@ -175,5 +175,6 @@ def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
         used_tokens=used_tokens, charged_blocks=charged, pinned_blocks=pinned,
         growing=np.zeros(ntn, bool), preemptions=np.zeros(ntn, np.int32),
         **rebuild(c, hashed, block_h, block_salt, xp=np),  # the prefix index of the hashed blocks
+        config_id=base.meta.config_id,
     )
     return KVState.from_fields(init_pages(c), **arrays)

@@ -5,10 +5,11 @@ layer, and are re-exported here. The state facade raises its errors before any j
 donating) call, so on error the state is never touched.
 """
 
-from configs.errors import FormatSpecError, KVQuotaError, UnknownFormatError, UnknownModelError
+from configs.errors import (ConfigError, FormatSpecError, KVQuotaError, UnknownFormatError,
+                            UnknownModelError)
 
 __all__ = [
-    "KVQuotaError", "UnknownModelError", "UnknownFormatError", "FormatSpecError",
+    "KVQuotaError", "ConfigError", "UnknownModelError", "UnknownFormatError", "FormatSpecError",
     "StateMismatchError", "InputShapeError", "InputDtypeError", "UnknownTenantError",
     "TenantExistsError", "QuotaValueError", "UnknownSequenceError", "DoubleFreeError",
     "DuplicateIdError", "SequenceTooLongError", "TokenIdError", "BlockStateError",

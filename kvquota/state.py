@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from typing import Optional
 
@@ -36,7 +37,7 @@ from configs.formats import KVFormat, get_kv_format
 from configs.models import ModelConfig
 from kvquota.accounting import KVLayout, check_positive
 from kvquota.codes import INT32_MAX, TIER_DEVICE, TIER_HOST
-from kvquota.errors import StateMismatchError
+from kvquota.errors import ConfigError, StateMismatchError
 from kvquota.pages import PoolPages, init_pages
 from kvquota.prefix_index import PrefixIndex, init_index
 from kvquota.sentinel import INVALID
@@ -94,30 +95,30 @@ class StateConfig:
                      "num_tenants", "lookup_candidates"):
             check_positive(**{name: getattr(self, name)})
         if not isinstance(self.host_blocks, int) or self.host_blocks < 0:
-            raise ValueError(f"host_blocks must be a non-negative integer, got {self.host_blocks!r}")
+            raise ConfigError(f"host_blocks must be a non-negative integer, got {self.host_blocks!r}")
         if get_kv_format(self.kv_format).quantized:
-            raise ValueError(f"kv_format {self.kv_format!r} of pool 0 must be unquantized")
+            raise ConfigError(f"kv_format {self.kv_format!r} of pool 0 must be unquantized")
         if not isinstance(self.compressed_pools, tuple):
-            raise ValueError("compressed_pools must be a tuple of (format name, blocks)")
+            raise ConfigError("compressed_pools must be a tuple of (format name, blocks)")
         for entry in self.compressed_pools:
             if not (isinstance(entry, tuple) and len(entry) == 2):
-                raise ValueError(f"compressed pool {entry!r} is not (format name, blocks)")
+                raise ConfigError(f"compressed pool {entry!r} is not (format name, blocks)")
             get_kv_format(entry[0])
             check_positive(**{f"blocks of compressed pool {entry[0]!r}": entry[1]})
         names = [self.kv_format] + [name for name, _ in self.compressed_pools]
         if len(set(names)) != len(names):
-            raise ValueError(f"pool formats must be distinct, got {names}")
+            raise ConfigError(f"pool formats must be distinct, got {names}")
         if not 0 < self.host_watermark <= 1:
-            raise ValueError(f"host_watermark must be in (0, 1], got {self.host_watermark}")
+            raise ConfigError(f"host_watermark must be in (0, 1], got {self.host_watermark}")
         if not self.host_bandwidth > 0:
-            raise ValueError(f"host_bandwidth must be > 0 bytes/s, got {self.host_bandwidth}")
+            raise ConfigError(f"host_bandwidth must be > 0 bytes/s, got {self.host_bandwidth}")
         if not 0 <= self.hash_bits <= 32:
-            raise ValueError(f"hash_bits must be in [0, 32], got {self.hash_bits}")
+            raise ConfigError(f"hash_bits must be in [0, 32], got {self.hash_bits}")
         # Everything in the state is int32: make sure no count can overflow.
         if self.total_blocks * self.block_size > INT32_MAX:
-            raise ValueError("total_blocks * block_size must fit in int32")
+            raise ConfigError("total_blocks * block_size must fit in int32")
         if self.total_blocks * max(self.pool_units) > INT32_MAX:
-            raise ValueError(f"byte units overflow int32: {self.total_blocks} blocks x "
+            raise ConfigError(f"byte units overflow int32: {self.total_blocks} blocks x "
                              f"{max(self.pool_units)} units of {self.unit_bytes} B")
 
     # ---- pools -------------------------------------------------------------------------------
@@ -295,7 +296,17 @@ class Tenants:
     preemptions: jax.Array  # i32[T]  sequences of the tenant preempted so far
 
 
-_GROUPS = {"blocks": Blocks, "free": FreeLists, "seqs": Sequences, "tenants": Tenants, "index": PrefixIndex}
+@struct.dataclass
+class StateMeta:
+    """What the arrays mean: a state's bytes per block and its page contents depend on the model
+    shape, the block size and the pools' formats, which its array shapes alone do not fix (a
+    metadata-only state of Qwen2.5-7B has the shapes of one of Qwen2.5-72B)."""
+
+    config_id: jax.Array  # u32[2]  `config_id(config)` of the StateConfig that made the state
+
+
+_GROUPS = {"blocks": Blocks, "free": FreeLists, "seqs": Sequences, "tenants": Tenants,
+           "index": PrefixIndex, "meta": StateMeta}
 _FIELD_GROUP = {f.name: g for g, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
 
 
@@ -310,6 +321,7 @@ class KVState:
     seqs: Sequences
     tenants: Tenants
     index: PrefixIndex  # the prefix cache's hash index of the hashed blocks (kvquota.prefix_index)
+    meta: StateMeta  # which config made the state (validate_state compares it)
 
     def update(self, **fields) -> "KVState":
         """A copy with the named leaf fields replaced, each routed to its sub-pytree
@@ -331,6 +343,15 @@ class KVState:
         kw = {g: c(**{f.name: jnp.asarray(fields[f.name]) for f in dataclasses.fields(c)})
               for g, c in _GROUPS.items()}
         return cls(pages=tuple(pages), **kw)
+
+
+def config_id(config: StateConfig) -> np.ndarray:
+    """u32[2]: a digest of what gives a state's arrays their meaning (model shape, block size,
+    each pool's format and size); settings that change only behaviour (scrubbing, lookup
+    candidates, watermarks) are left out, so one state may serve allocators that differ there."""
+    key = repr((config.model, config.block_size, config.kv_format, config.compressed_pools,
+                config.host_blocks))
+    return np.frombuffer(hashlib.sha256(key.encode()).digest()[:8], np.uint32).copy()
 
 
 def pool_of(config: StateConfig, block_ids, xp=jnp):
@@ -397,6 +418,7 @@ def init_state(config: StateConfig) -> KVState:
         growing=np.zeros((t,), bool),
         preemptions=i32((t,)),
         **init_index(config),
+        config_id=config_id(config),
     )
 
 
@@ -423,9 +445,9 @@ def validate_state(config: StateConfig, state) -> None:
 
     Checks the pytree structure (a leaf that is a list or None changes it), every leaf's type,
     shape and dtype (an int64 leaf is rejected, never cast), that no leaf was donated to an
-    earlier call, and the tier/precision of each pool's first and last block, so a state of
-    another config whose arrays happen to have the same shapes (a different pool split) is
-    refused too. Host reads: 2 x POOLS bytes.
+    earlier call, the `config_id` the state carries (a state of another model, block size or
+    pool formats whose arrays happen to have the same shapes), and the tier/precision of each
+    pool's first and last block. Host reads: 2 x POOLS + 8 bytes, in one transfer.
     """
     if not isinstance(state, KVState):
         raise StateMismatchError(f"expected a KVState, got {type(state).__name__}")
@@ -444,7 +466,13 @@ def validate_state(config: StateConfig, state) -> None:
             raise StateMismatchError(
                 f"state field {path} is {leaf.dtype}{tuple(leaf.shape)}, this config needs "
                 f"{want.dtype}{tuple(want.shape)}")
-    if not np.array_equal(np.asarray(_pool_codes(state.blocks.tier, state.blocks.precision, bounds)),
-                          codes):
+    got_codes, got_id = jax.device_get(
+        (_pool_codes(state.blocks.tier, state.blocks.precision, bounds), state.meta.config_id))
+    if not np.array_equal(got_id, config_id(config)):
+        raise StateMismatchError(
+            f"state was made for another config: its model, block size or pool formats differ "
+            f"from this one's ({config.model.name}, blocks of {config.block_size}, pools "
+            f"{config.precisions}), so its bytes per block would be misread")
+    if not np.array_equal(got_codes, codes):
         raise StateMismatchError("state belongs to another config: its pools' tiers or precisions "
                                  "differ (a different pool split)")

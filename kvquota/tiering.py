@@ -85,10 +85,13 @@ class TierOps:
         if int(per_row.sum()) > room:
             raise PoolFullError(f"restore: {int(per_row.sum())} blocks to bring back, pool 0 has "
                                 f"{room} free")
-        charged = np.asarray(state.tenants.charged_blocks)[:, 0].astype(np.int64)
+        # The same byte check as an admission: every device pool's charges count (a tenant's
+        # compressed blocks are device bytes too), the restored blocks land in pool 0.
+        charged = np.asarray(state.tenants.charged_blocks).astype(np.int64)
+        units = (charged * np.asarray(c.pool_units) * np.asarray(c.device_pools)).sum(axis=1)
         quota = np.asarray(state.tenants.byte_quota).astype(np.int64)
         for t in np.unique(ten):
-            after = (charged[t] + per_row[ten == t].sum()) * c.pool_units[0]
+            after = units[t] + int(per_row[ten == t].sum()) * c.pool_units[0]
             if after > quota[t]:
                 raise QuotaExceededError(
                     f"restore: tenant {int(t)} would hold {after * c.unit_bytes} B of device "

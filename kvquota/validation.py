@@ -10,6 +10,8 @@ from kvquota.codes import INT32_MAX
 from kvquota.errors import InputDtypeError, InputShapeError, QuotaValueError
 from kvquota.sentinel import INVALID
 
+INT32_MIN = -(2**31)
+
 
 def bucket(n: int) -> int:
     """Smallest power of two >= max(n, 1): bounds recompiles to log2(max_seqs) sizes."""
@@ -23,7 +25,9 @@ def pad(ids, size: int) -> np.ndarray:
 
 
 def int_array(name: str, value, ndim: int) -> np.ndarray:
-    """An integer array of rank `ndim` as int32; floats/bools/objects are rejected, not cast."""
+    """An integer array of rank `ndim` as int32; floats/bools/objects are rejected, not cast.
+    Only values that do not fit int32 are refused here: what an argument's values mean (a
+    tenant, a token id, INVALID padding) is checked by its caller, with the error of that rule."""
     if isinstance(value, (list, tuple)):
         try:
             value = np.asarray(value)
@@ -38,8 +42,9 @@ def int_array(name: str, value, ndim: int) -> np.ndarray:
     if value.ndim != ndim:
         raise InputShapeError(f"{name} must have rank {ndim}, got shape {tuple(value.shape)}")
     arr = np.asarray(value)
-    if arr.size and (arr.min() < INVALID or arr.max() > INT32_MAX):
-        raise InputDtypeError(f"{name} has values outside [{INVALID}, {INT32_MAX}]")
+    if arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
+        raise InputDtypeError(f"{name} has values that do not fit int32 "
+                              f"[{INT32_MIN}, {INT32_MAX}]")
     return arr.astype(np.int32)
 
 

@@ -11,8 +11,9 @@ from kvquota.reports import Ledger, TenantReport
 from kvquota.state import KVState, StateConfig, pool_of
 
 def set_tenant(config: StateConfig, state: KVState, tenant, token_quota, byte_quota_units,
-               lease_expiry, salt):
-    """Write one tenant's ledger row (register, quota change, lease change)."""
+               lease_expiry, salt, growing):
+    """Write one tenant's ledger settings (register, quota change, lease change): every
+    setting is given, so a caller keeps what it does not change by passing the current value."""
     t = tenant
     s = state
     state = s.update(
@@ -21,7 +22,7 @@ def set_tenant(config: StateConfig, state: KVState, tenant, token_quota, byte_qu
         byte_quota=s.tenants.byte_quota.at[t].set(byte_quota_units),
         lease_expiry=s.tenants.lease_expiry.at[t].set(lease_expiry),
         salt=s.tenants.salt.at[t].set(salt),
-        growing=s.tenants.growing.at[t].set(False),  # a new quota supersedes grow-no-admit
+        growing=s.tenants.growing.at[t].set(growing),
     )
     report = TenantReport(
         tokens_over=jnp.maximum(state.tenants.used_tokens[t] - token_quota, 0),
