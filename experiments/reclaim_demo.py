@@ -166,7 +166,8 @@ def _summarize(s, reqs, ref_reqs, tok, setup) -> dict:
         for f in report["fates"]:
             name = by_id.get(ev["seq_requests"].get(str(f["seq"])))
             fates.append({"seq": f["seq"], "tenant": f["tenant"], "fate": f["fate"],
-                          "resume_tokens": f["resume_tokens"], "resume_bytes": f["resume_bytes"],
+                          "planned_resume_tokens": f["resume_tokens"],
+                          "planned_resume_bytes": f["resume_bytes"],
                           "request": name, "event": ev["kind"], "step": ev["step"]})
             if name is not None and f["fate"] != "released":
                 key = str(f["seq"]) if str(f["seq"]) not in agreement else f"{f['seq']}#{name}"
@@ -230,12 +231,16 @@ def describe(m: dict) -> str:
         out.append(f"    held back: pins {ev['plan']['pinned_bytes_held']:,} B, other tenants "
                    f"{ev['plan']['shared_bytes_held']:,} B")
         out += _ledger("after ", ev["ledger_after"])
-    out.append("\nanswers (agreement = tokens equal to the run without events):")
+    out.append("\nanswers (agreement = tokens equal to the run without events; resume costs "
+               "as paid, and as planned: a plan assumes the prefix cache still holds the "
+               "blocks it counted when the request comes back):")
     for a in m["answers"]:
         out.append(f"  [{a['name']}] {a['finish']}, {len(a['tokens'])} tokens, agreement "
                    f"{a['agreement']:.2f}; preempted {a['preemptions']}x, suspended "
-                   f"{a['suspensions']}x, recomputed {a['resume_tokens']} tokens, restored "
-                   f"{a['resume_bytes']:,} B\n      -> {a['text']}")
+                   f"{a['suspensions']}x, recomputed {a['paid_resume_tokens']} tokens "
+                   f"(planned {a['planned_resume_tokens']}), restored "
+                   f"{a['paid_resume_bytes']:,} B (planned {a['planned_resume_bytes']:,} B)"
+                   f"\n      -> {a['text']}")
     s = m["scheduler"]
     out.append(f"\n{s['steps']} steps, {s['generated_tokens']} tokens, {m['preemptions']} "
                f"preemptions; reclaimed {m['reclaimed_bytes_by_tier']} of a "

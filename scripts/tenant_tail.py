@@ -64,7 +64,7 @@ def tail(run: pathlib.Path, tenant: int, big: int) -> dict:
                     for r in longest],
         "preempted_requests": sum(r["preemptions"] > 0 for r in after),
         "preemptions": sum(r["preemptions"] for r in after),
-        "tokens_recomputed": sum(r["resume_tokens"] for r in after),
+        "tokens_recomputed": sum(r["paid_resume_tokens"] for r in after),
     }
 
 

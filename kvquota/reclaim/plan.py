@@ -181,7 +181,9 @@ class SeqFate:
     """What one sequence does after the reclaim, and what coming back costs it.
 
     resume_tokens: tokens to recompute (preempted: cached length minus the prefix-cache hits
-      expected on re-admission). resume_bytes: bytes to prefetch from host (suspended).
+      expected on re-admission, assuming the blocks that are cached now still are then: others'
+      allocations may reuse them while it waits, so the cost paid can be higher).
+      resume_bytes: bytes to prefetch from host (suspended).
     resume_seconds: resume_bytes at the configured host bandwidth (a model).
     """
 
@@ -251,7 +253,8 @@ class ReclaimPlan:
             lines.append(f"  {i + 1}. {s.means:<16} seqs {list(s.seqs)}: {s.blocks} blocks, quota "
                          f"{s.quota_bytes:,} B, pool {s.pool_bytes:,} B, host {s.host_bytes:,} B")
         for f in self.fates:
-            cost = (f"recompute {f.resume_tokens} tokens" if f.resume_tokens else
+            cost = (f"recompute {f.resume_tokens} tokens (if the {f.tokens - f.resume_tokens} "
+                    "before them are still cached when it comes back)" if f.resume_tokens else
                     f"prefetch {f.resume_bytes:,} B ({f.resume_seconds * 1e3:.3f} ms)"
                     if f.resume_bytes else "no resume cost")
             lines.append(f"  seq {f.seq} (tenant {f.tenant}, {f.tokens} tokens): "

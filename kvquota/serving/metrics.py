@@ -32,6 +32,10 @@ from kvquota.sentinel import INVALID
 from kvquota.state import StateConfig
 
 EVENT_KINDS = ("quota_cut", "lease_expiry", "new_tenant", "burst")
+# A resume's cost as the reclaim plan said it (its fates' figures, which assume the prefix
+# cache still holds the blocks it counted) and as paid when the request came back.
+RESUME_FIELDS = ("planned_resume_tokens", "paid_resume_tokens", "planned_resume_bytes",
+                 "paid_resume_bytes")
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,8 +74,10 @@ class Request:
     finish_s: float = -1.0
     preemptions: int = 0
     suspensions: int = 0
-    resume_tokens: int = 0  # recompute paid on re-admission
-    resume_bytes: int = 0  # host bytes restored
+    planned_resume_tokens: int = 0  # recompute the reclaim plans said a resume would cost
+    planned_resume_bytes: int = 0  # host bytes the plans said a restore would bring back
+    paid_resume_tokens: int = 0  # recompute paid on re-admission
+    paid_resume_bytes: int = 0  # host bytes restored
     lossy: bool = False  # compressed or evicted by a reclaim
     refusals: dict = dataclasses.field(default_factory=dict)
     session: Optional["Session"] = dataclasses.field(default=None, repr=False)
@@ -97,7 +103,8 @@ class Request:
 
     def summary(self) -> dict:
         keys = ("id", "name", "tenant", "status", "finish", "tokens", "preemptions",
-                "suspensions", "resume_tokens", "resume_bytes", "cached_tokens", "refusals",
+                "suspensions", "planned_resume_tokens", "paid_resume_tokens",
+                "planned_resume_bytes", "paid_resume_bytes", "cached_tokens", "refusals",
                 "admitted_step", "first_refused", "finished_step", "arrival_s",
                 "first_token_s", "finish_s")
         return {k: getattr(self, k) for k in keys} | {"prompt_tokens": len(self.prompt)}
@@ -261,7 +268,7 @@ class Counters:
     """Per-step and running totals of what the scheduler did (refusals by reason name,
     preemptions, resume costs paid, generated tokens)."""
 
-    FIELDS = ("preemptions", "suspensions", "resume_tokens_paid", "resume_bytes_paid",
+    FIELDS = ("preemptions", "suspensions", *RESUME_FIELDS,
               "generated_tokens", "prefill_tokens", "finished", "deferred")
 
     def __init__(self):
@@ -358,8 +365,7 @@ def run_summary(requests, records, counters, *, steps: int, drift_max: int, even
             "finishes": dict(collections.Counter(r.finish for r in requests if r.finish)),
             "preemptions": int(total["preemptions"]), "suspensions": int(total["suspensions"]),
             "refusals": dict(counters.refusals_total),
-            "resume_tokens_paid": int(total["resume_tokens_paid"]),
-            "resume_bytes_paid": int(total["resume_bytes_paid"]),
+            **{name: int(total[name]) for name in RESUME_FIELDS},
             "generated_tokens": int(total["generated_tokens"]),
             "ledger_drift_max": int(drift_max), "events": events, "decode_steps": len(decode),
             "syncs_per_decode_step": (sum(r["step_syncs"] + r["host_syncs"] for r in decode)

@@ -237,9 +237,13 @@ class Scheduler(Intake, PassSteps):
             r, s = self.by_seq.get(f.seq), self.idle_of.get(f.seq)
             if r is not None and f.fate == FATE_PREEMPTED:
                 self._requeue(r, archives[f.seq])
+                r.planned_resume_tokens += f.resume_tokens
+                self.counters.add("planned_resume_tokens", f.resume_tokens)
             elif r is not None and f.fate == FATE_SUSPENDED:
                 r.was, r.status, r.suspensions = r.status, "suspended", r.suspensions + 1
+                r.planned_resume_bytes += f.resume_bytes
                 self.counters.add("suspensions")
+                self.counters.add("planned_resume_bytes", f.resume_bytes)
             elif r is not None and f.fate == FATE_RELEASED:
                 self.live.remove(r)
                 self.by_seq.pop(f.seq)
@@ -295,8 +299,8 @@ class Scheduler(Intake, PassSteps):
         if idle:
             self._op("set_idle", np.asarray([seq], np.int32))
         moved = int(self._read(rep.moved_blocks).sum()) * self.config.pool_bytes[0]
-        r.resume_bytes, self._host_bytes = r.resume_bytes + moved, self._host_bytes + moved
-        self.counters.add("resume_bytes_paid", moved)
+        r.paid_resume_bytes, self._host_bytes = r.paid_resume_bytes + moved, self._host_bytes + moved
+        self.counters.add("paid_resume_bytes", moved)
         self.m.status[seq], self._progress = SEQ_IDLE if idle else SEQ_RUNNING, True
         self.m.restored(seq)
         return True
@@ -369,8 +373,8 @@ class Scheduler(Intake, PassSteps):
             r.admitted, self._stamp = self._stamp, self._stamp + 1
             r.admitted_step = self.t if r.admitted_step < 0 else r.admitted_step
             if r.resuming:
-                r.resuming, r.resume_tokens = False, r.resume_tokens + n - r.prefilled
-                self.counters.add("resume_tokens_paid", n - r.prefilled)
+                r.resuming, r.paid_resume_tokens = False, r.paid_resume_tokens + n - r.prefilled
+                self.counters.add("paid_resume_tokens", n - r.prefilled)
             self.m.set([q], length=n, status=SEQ_RUNNING, tenant=r.tenant)
             self.by_seq[q] = r
             self.live.append(r)

@@ -81,8 +81,7 @@ def summarize(replay: Replay, reqs: list[dict]) -> dict:
                                      if samples else 0.0),
         "bytes_max": {k: max((p["bytes"][k] for p in samples), default=0)
                       for k in metrics.TIERS},
-        "resume_tokens_paid": summary["resume_tokens_paid"],
-        "resume_bytes_paid": summary["resume_bytes_paid"],
+        **{name: summary[name] for name in metrics.RESUME_FIELDS},
         "finishes": summary["finishes"], "events": summary["events"],
     })
     by_tenant = collections.defaultdict(list)

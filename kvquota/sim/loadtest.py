@@ -401,7 +401,8 @@ class Replay:
                         "arrival_s": arrived, "ttft_s": ttft, "tpot_s": tpot,
                         "finish_s": r.finish_s if r.finish_s >= 0 else None,
                         "cached_tokens": r.cached_tokens, "preemptions": r.preemptions,
-                        "suspensions": r.suspensions, "resume_tokens": r.resume_tokens,
-                        "resume_bytes": r.resume_bytes, "lossy": r.lossy,
+                        "suspensions": r.suspensions,
+                        **{name: getattr(r, name) for name in metrics.RESUME_FIELDS},
+                        "lossy": r.lossy,
                         "refusals": r.refusals})
         return out

@@ -32,10 +32,16 @@ def test_json_contract(demo):
     assert all(type(v) is int and v >= 0 for v in tiers.values())
     assert sum(tiers.values()) >= out["target_bytes"] - out["shortfall_bytes"]
     assert type(out["topup_ok"]) is bool and out["topup_ok"]  # sized so it holds
-    assert out["fates"] and all(
-        {"seq", "tenant", "fate", "resume_tokens", "resume_bytes"} <= set(f) for f in out["fates"])
-    assert all(type(f[k]) is int for f in out["fates"]
-               for k in ("seq", "tenant", "resume_tokens", "resume_bytes"))
+    resume = ("planned_resume_tokens", "planned_resume_bytes")
+    assert out["fates"] and all({"seq", "tenant", "fate", *resume} <= set(f)
+                                for f in out["fates"])
+    assert all(type(f[k]) is int for f in out["fates"] for k in ("seq", "tenant", *resume))
+    # Each answer records its resume costs as planned (the sum of its fates') and as paid.
+    for a in out["answers"]:
+        mine = [f for f in out["fates"] if f["request"] == a["name"]]
+        for key in resume:
+            assert a[key] == sum(f[key] for f in mine), (a["name"], key)
+        assert type(a["paid_resume_tokens"]) is int and type(a["paid_resume_bytes"]) is int
     assert {f["fate"] for f in out["fates"]} >= {"released"}  # B's lease expiry
     agreement = out["token_agreement"]
     assert agreement and all(type(v) is float and v == 1.0 for v in agreement.values())
@@ -52,6 +58,9 @@ def test_run_directory_holds_metrics_events_and_the_timeline(demo):
     assert len(points) == out["scheduler"]["steps"]
     assert [e["kind"] for e in events] == ["burst", "quota_cut", "lease_expiry"]
     assert all(p["drift_bytes"] == 0 for p in points)
+    for key in ("planned_resume_tokens", "paid_resume_tokens", "planned_resume_bytes",
+                "paid_resume_bytes"):  # per step, summing to the run's totals
+        assert sum(p[key] for p in points) == out["scheduler"][key], key
     assert json.loads((run_dir / "metrics.json").read_text())["fates"] == out["fates"]
 
 

@@ -331,7 +331,7 @@ def test_a_restore_refused_over_quota_waits_for_its_tenants_free():
     assert younger.status == "finished" and younger.finish == "length"
     reqs, ref, ref_tries = _swapped(parked=False)
     assert len(ref_tries) > len(tries)
-    fields = ("tokens", "finish", "finished_step", "first_token_s", "resume_bytes", "suspensions")
+    fields = ("tokens", "finish", "finished_step", "first_token_s", "paid_resume_bytes", "suspensions")
     assert [[getattr(r, f) for f in fields] for r in (older, younger, other)] == \
         [[getattr(r, f) for f in fields] for r in reqs]
     drop = ("decode_steps", "syncs_per_decode_step")  # steps with no facade call: more

@@ -184,8 +184,8 @@ def test_policies_differ_on_the_same_trace(replays):
     by_policy = {p: figures.summarize(rp, reqs) for p, (rp, reqs) in out.items()}
     assert by_policy["preempt-all"]["preemptions"] > 0
     assert by_policy["swap-all"]["suspensions"] > 0
-    assert len({(f["preemptions"], f["suspensions"], f["resume_tokens_paid"],
-                 f["resume_bytes_paid"]) for f in by_policy.values()}) > 2
+    assert len({(f["preemptions"], f["suspensions"], f["paid_resume_tokens"],
+                 f["paid_resume_bytes"]) for f in by_policy.values()}) > 2
 
 
 def test_jitter_is_the_distance_from_the_recent_median():
