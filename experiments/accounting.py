@@ -20,13 +20,20 @@ from experiments import cli
 
 FLAGS = flags.FLAGS
 GB, GIB = 10**9, 2**30
+# Bounds that keep every figure meaningful: 2^16 sequences of 2^24 tokens (16M, 128 times
+# Qwen2.5's 128K) are 2^40 tokens, under 2^60 bytes (1 EiB) at the largest preset in f32.
+MAX_BATCH, MAX_SEQ_LEN = 2**16, 2**24
 
 
 def define_flags():
     cli.define_model(default="qwen2.5-7b")
-    flags.DEFINE_integer("batch", 32, "Sequences in the tenant's batch.", lower_bound=1)
-    flags.DEFINE_integer("seq_len", 32768, "Tokens per sequence.", lower_bound=1)
-    flags.DEFINE_integer("block_size", 16, "Tokens per KV block (page).", lower_bound=1)
+    flags.DEFINE_integer("batch", 32, "Sequences in the tenant's batch, at most 2^16: with "
+                         "--seq_len's bound, every total stays under 2^60 bytes.", lower_bound=1,
+                         upper_bound=MAX_BATCH)
+    flags.DEFINE_integer("seq_len", 32768, "Tokens per sequence, at most 2^24 (128 times "
+                         "Qwen2.5's 128K).", lower_bound=1, upper_bound=MAX_SEQ_LEN)
+    flags.DEFINE_integer("block_size", 16, "Tokens per KV block (page), at most 2^24.",
+                         lower_bound=1, upper_bound=MAX_SEQ_LEN)
     cli.define_kv_format("bf16")
     cli.define_json("Print one JSON object instead of a table.")
 

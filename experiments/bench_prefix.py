@@ -43,6 +43,9 @@ BLOCK_SIZE = 16
 TENANTS, GROUPS, GROUP_SIZE = 16, 4, 4  # every tenant in a sharing group
 SYSTEMS_PER_GROUP = 2
 PREFILL = 0.5  # fraction of the pool the built state occupies
+PREFIX_BLOCKS = 4  # the built state's sequences start with a shared prefix of this many blocks
+# A prompt needs more blocks than that prefix: the smallest --prompt_tokens (80).
+MIN_PROMPT_TOKENS = (PREFIX_BLOCKS + 1) * BLOCK_SIZE
 MIN_LOG2, MAX_LOG2 = 10, 22
 
 
@@ -53,8 +56,10 @@ def define_flags():
     flags.DEFINE_integer("brute_prompts", 64, "The first prompts admitted again through the "
                          "brute-force lookup.", lower_bound=1)
     flags.DEFINE_integer("batch", 8, "Prompts per admit call.", lower_bound=1, upper_bound=256)
-    flags.DEFINE_integer("prompt_tokens", 2048, "Tokens per prompt (a multiple of 16).",
-                         lower_bound=BLOCK_SIZE)
+    flags.DEFINE_integer("prompt_tokens", 2048, f"Tokens per prompt: a multiple of the block "
+                         f"size {BLOCK_SIZE}, at least {MIN_PROMPT_TOKENS} (more than the built "
+                         f"state's {PREFIX_BLOCKS}-block prefix) and above --system_tokens.",
+                         lower_bound=MIN_PROMPT_TOKENS)
     flags.DEFINE_integer("system_tokens", 512, "Tokens of each shared system prompt (a multiple "
                          "of 16, below --prompt_tokens).", lower_bound=BLOCK_SIZE)
     cli.define_int_list("scaling", [16, 17, 18, 19, 20], "log2 pool sizes of the scaling sweep",
@@ -78,9 +83,10 @@ def check_sizes(log2_blocks, prompts, brute_prompts, batch, prompt_tokens, syste
     if system_tokens >= prompt_tokens:
         raise cli.BadInput(f"--system_tokens={system_tokens} must be below --prompt_tokens="
                            f"{prompt_tokens}")
-    if prompt_blocks(prompt_tokens) <= 4:
-        raise cli.BadInput("--prompt_tokens needs more than 4 blocks (the built state's "
-                           "sequences start with a 4-block prefix)")
+    if prompt_tokens < MIN_PROMPT_TOKENS:
+        raise cli.BadInput(f"--prompt_tokens={prompt_tokens} is below {MIN_PROMPT_TOKENS}: a "
+                           f"prompt needs more than {PREFIX_BLOCKS} blocks (the built state's "
+                           f"sequences start with a {PREFIX_BLOCKS}-block prefix)")
     if brute_prompts > prompts:
         raise cli.BadInput(f"--brute_prompts={brute_prompts} exceeds --prompts={prompts}")
     for lg, n in [(log2_blocks, prompts)] + [(lg, scaling_prompts) for lg in scaling]:
@@ -110,7 +116,7 @@ def prefill_seqs(blocks, mb) -> int:
 
 def build(config, seed):
     spec = kq.SyntheticSpec(num_seqs=prefill_seqs(config.num_blocks, config.max_blocks_per_seq),
-                            prefix_blocks=4, group_size=GROUP_SIZE, num_groups=GROUPS,
+                            prefix_blocks=PREFIX_BLOCKS, group_size=GROUP_SIZE, num_groups=GROUPS,
                             pool_fill=PREFILL, seed=seed)
     return kq.build_state(config, spec)
 

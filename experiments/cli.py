@@ -14,7 +14,8 @@ modules side by side, and absl forbids defining a flag twice. `run` then
   * lowers jax's platform-probing log line ("Unable to initialize backend 'tpu'", logged at INFO
     by `jax._src.xla_bridge` on every machine without that platform) to WARNING, so the useful
     warnings (a GPU present but no CUDA jaxlib) still show; no platform is forced;
-  * parses the flags, refusing positional arguments (absl hands them to `main` silently);
+  * parses the flags, refusing positional arguments (absl hands them to `main` silently),
+    first of all, so that a missing required flag does not hide them;
   * turns bad input into one line on stderr and exit status 2, never a traceback: a flag parsing
     or validator error, `BadInput` raised by `main` (checks across flags, or on the input's
     content), and the library's typed errors (`kq.KVQuotaError`, any ValueError) or OSError.
@@ -68,16 +69,47 @@ def note(message: str) -> None:
     print(f"note: {' '.join(str(message).split())}", file=sys.stderr)
 
 
+def positional_args(argv: Sequence[str]) -> list[str]:
+    """The positional arguments of `argv` by absl's parsing rules, found without parsing or
+    validating any flag (absl checks required flags inside `FLAGS(argv)`, so a missing one would
+    hide the stray argument that explains it). An argument is positional when it does not start
+    with `-` (or is all dashes) and is not the value of the flag before it (`--name value`, for a
+    known flag that is not boolean, or --undefok); everything after `--` is positional."""
+    try:
+        args = iter(FLAGS.read_flags_from_files(list(argv[1:]), force_gnu=False))
+    except flags.Error:
+        return []  # a bad --flagfile: the parse reports it
+    found = []
+    for arg in args:
+        name = arg.lstrip("-")
+        if arg == "--":
+            found.extend(args)
+            break
+        if not arg.startswith("-") or not name:
+            found.append(arg)
+        elif "=" not in name and (name == "undefok" or (name in FLAGS and not FLAGS[name].boolean)):
+            next(args, None)  # the flag's value
+    return found
+
+
+def refuse_positionals(extra: Sequence[str]) -> None:
+    """Fails (one line, status 2) when there is any positional argument."""
+    if extra:
+        fail(f"unexpected positional argument{'s' if len(extra) > 1 else ''} "
+             f"{' '.join(shlex.quote(arg) for arg in extra)}: this program takes only flags "
+             "(--name=value); see --help")
+
+
 def parse_flags(argv: Sequence[str]) -> list[str]:
-    """absl's parser, with one-line errors (status 2) and no positional arguments."""
+    """absl's parser, with one-line errors (status 2) and no positional arguments. Positionals
+    are refused first, so `generate "What is a KV cache?"` is told that it takes only flags, not
+    that --prompt is missing."""
+    refuse_positionals(positional_args(argv))
     try:
         rest = FLAGS(argv)
     except flags.Error as error:
         fail(error)
-    if len(rest) > 1:
-        extra = " ".join(shlex.quote(arg) for arg in rest[1:])
-        fail(f"unexpected positional argument{'s' if len(rest) > 2 else ''} {extra}: this "
-             "program takes only flags (--name=value); see --help")
+    refuse_positionals(rest[1:])  # absl's own verdict, should the scan above miss one
     return rest
 
 

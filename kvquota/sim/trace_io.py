@@ -11,17 +11,18 @@ The format (version 1), one JSON object per line, `kind` saying what the line is
     {"kind": "event", "time_s": 30.0, "event": "quota_cut", "tenant": 0, "quota_share": 0.2}
 
 * The header comes first, once. `config` is the generating `TraceConfig` (its fields as JSON) or
-  any metadata of a user's trace ({} is fine).
+  any metadata of a user's trace ({} is fine). Its `requests`, where it is an integer (a
+  generated trace's always is), is the number of request lines the file holds.
 * Tenant lines: `group` -1 for none; `quota_share` the fraction of the pool's bytes (shares may
   sum to more than 1); `salt_group` the prefix-cache salt group (-1: private).
 * System lines (optional): a group's system prompt as explicit token ids.
-* Request lines: every field of `kvquota.sim.TraceRequest` (see there what each means).
-  `arrival_s` is a number for turn 0 and null for a session's later turns (they arrive `think_s`
-  after the turn before finished); `session` -1 for a single request; a session's turns appear
-  in file order 0, 1, 2, ... `prompt` (optional) holds explicit ids, as many as `prompt_tokens`;
-  without it the ids are regenerated from the header's `seed` and `vocab_size` (generated traces
-  store no token ids: 10^5 prompts of 2K ids would be a gigabyte). `system` >= 0 needs a system
-  line for that group, or a generator config (`seed`, `vocab_size`, `groups`,
+* Request lines (at least one): every field of `kvquota.sim.TraceRequest` (see there what each
+  means). `arrival_s` is a number for turn 0 and null for a session's later turns (they arrive
+  `think_s` after the turn before finished); `session` -1 for a single request; a session's turns
+  appear in file order 0, 1, 2, ... `prompt` (optional) holds explicit ids, as many as
+  `prompt_tokens`; without it the ids are regenerated from the header's `seed` and `vocab_size`
+  (generated traces store no token ids: 10^5 prompts of 2K ids would be a gigabyte). `system` >= 0
+  needs a system line for that group, or a generator config (`seed`, `vocab_size`, `groups`,
   `system_prompt_tokens`).
 * Event lines: `event` is "quota_cut" (`quota_share`: the new share) or "lease_expiry"
   (`quota_share` null).
@@ -152,7 +153,20 @@ class _Checker:
                 reqs.append((line, self.request(line, f, generated)))
             else:
                 events.append((line, self.event(line, f)))
+        self.count(first[0], config, len(reqs))
         return self.finish(config, tenants, systems, reqs, events, generated)
+
+    def count(self, line, config, n):
+        """Refuses a trace without requests (a replay of it measures nothing) and one whose
+        request lines are not as many as the header's `config.requests` says (a file cut short
+        or added to); `line` is the header's."""
+        claimed = config.get("requests") if type(config.get("requests")) is int else None
+        if n == 0:
+            self.fail(line, "no request lines: a trace needs at least one request" + (
+                f" (the header's config says {claimed})" if claimed is not None else ""))
+        if claimed is not None and n != claimed:
+            self.fail(line, f"the header's config says {claimed} requests, the file has {n} "
+                            "request lines")
 
     def request(self, line, f, generated) -> TraceRequest:
         r = TraceRequest(**f)

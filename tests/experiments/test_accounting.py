@@ -7,7 +7,8 @@ import sys
 import pytest
 
 import kvquota as kq
-from experiments.accounting import accounting, design_figures, format_table
+from experiments.accounting import (MAX_BATCH, MAX_SEQ_LEN, accounting, design_figures,
+                                    format_table)
 
 
 def test_qwen7b_design_figures():
@@ -102,3 +103,22 @@ def test_cli_table_beyond_native_context_notes_and_answers():
     assert "[WRONG]" not in result.stdout
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("note:") and "32,768" in lines[0]
+
+
+def test_cli_refuses_sizes_beyond_its_stated_bounds():
+    """--batch=99999999999999999999 printed 1.9e29 bytes: --batch and --seq_len are bounded
+    (2^16, 2^24; --help says so), and at the bounds every total is exact and under 2^60 B."""
+    assert (MAX_BATCH, MAX_SEQ_LEN) == (2**16, 2**24)
+    help_text = " ".join(_cli("--help").stdout.split())
+    assert "at most 2^16" in help_text and "(an integer in the range [1, 65536])" in help_text
+    assert "at most 2^24" in help_text and "(an integer in the range [1, 16777216])" in help_text
+    for flag, value, bound in (("batch", 99999999999999999999, MAX_BATCH),
+                               ("seq_len", MAX_SEQ_LEN + 1, MAX_SEQ_LEN),
+                               ("block_size", MAX_SEQ_LEN + 1, MAX_SEQ_LEN)):
+        result = _cli(f"--{flag}={value}")
+        lines = result.stderr.splitlines()
+        assert result.returncode == 2 and result.stdout == "" and len(lines) == 1, lines
+        assert lines[0] == (f"error: flag --{flag}={value}: {value} is not an integer in the "
+                            f"range [1, {bound}]")
+    record = accounting("qwen2.5-72b", MAX_BATCH, MAX_SEQ_LEN, kv_format="f32")
+    assert record["total_bytes"] == 655360 * 2**40 < 2**60

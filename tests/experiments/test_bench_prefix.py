@@ -59,6 +59,7 @@ def test_tiny_run_contract_and_results_match(tmp_path):
     (dict(TINY, prompt_tokens=250), "multiple of the block size"),
     (dict(TINY, system_tokens=256), "must be below --prompt_tokens"),
     (dict(TINY, prompts=4096), r"half-full pool of 2\^12 blocks"),
+    (dict(TINY, prompt_tokens=64, system_tokens=16), "below 80: a prompt needs more than 4"),
 ])
 def test_sizes_that_do_not_fit_are_refused_before_any_work(sizes, message):
     with pytest.raises(cli.BadInput, match=message):
@@ -71,3 +72,22 @@ def test_bad_invocations_fail_in_one_line():
         result = run_cli("bench_prefix", *args)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert result.stderr.strip().count("\n") == 0 and message in result.stderr
+
+
+def test_prompt_tokens_help_states_the_rule_the_cli_enforces():
+    """--help said "integer >= 16" while 64 failed with "needs more than 4 blocks": the help and
+    the flag's bound now state the real rule (a multiple of 16, at least 80, above
+    --system_tokens), and a value within the bound that breaks it is refused in one line."""
+    assert bp.MIN_PROMPT_TOKENS == 80
+    help_text = " ".join(run_cli("bench_prefix", "--help").stdout.split())
+    assert ("Tokens per prompt: a multiple of the block size 16, at least 80 (more than the "
+            "built state's 4-block prefix) and above --system_tokens. (default: '2048') "
+            "(integer >= 80)") in help_text
+    for args, message in ((["--prompt_tokens=64"], "--prompt_tokens=64: 64 is not integer >= 80"),
+                          (["--prompt_tokens=88"], "not a multiple of the block size 16"),
+                          (["--prompt_tokens=96", "--system_tokens=96"],
+                           "--system_tokens=96 must be below --prompt_tokens=96")):
+        result = run_cli("bench_prefix", *args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]

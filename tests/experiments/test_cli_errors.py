@@ -3,12 +3,14 @@ line on stderr (`error: ...`), nothing on stdout and no traceback, before any he
 weights load: each case takes about the time of importing jax).
 
 The invocations run once, side by side (a thread pool over subprocesses), in a module fixture;
-each case is then checked in its own test. MORE_CASES run only with -m slow.
+each case is then checked in its own test. MORE_CASES run only with -m slow; they include a
+positional argument given to every program.
 """
 
 import concurrent.futures
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -19,13 +21,22 @@ import kvquota as kq
 from tests.conftest import REPO
 from tests.experiments.common import run_cli
 
+POSITIONAL = "unexpected positional argument stray: this program takes only flags"
+
+
+def _programs():
+    """Every experiment module that runs as a program (ends in `cli.run(main, ...)`)."""
+    return [path.stem for path in sorted((REPO / "experiments").glob("*.py"))
+            if re.search(r'^if __name__ == "__main__":\s+cli\.run\(', path.read_text(), re.M)]
+
+
 # (module, arguments, text the one-line error must contain). {text} is a small UTF-8 file,
 # {empty} an empty one, {missing} a path that does not exist. CASES: the ones a new user hit,
 # one or more per CLI; MORE_CASES (marked slow): the rest of each CLI's checks.
 CASES = [
     ("accounting", ["qwen2.5-72b"], "unexpected positional argument qwen2.5-72b"),
     ("accounting", ["--model=gpt-5"], "valid choices: qwen2.5-0.5b"),
-    ("accounting", ["--batch=0"], "--batch=0: 0 is not a positive integer"),
+    ("accounting", ["--batch=0"], "--batch=0: 0 is not an integer in the range [1, 65536]"),
     ("score", ["--text_file={text}", "--max_tokens=-5"], "-5 is not a non-negative integer"),
     ("score", ["--text_file={empty}"], "is empty: nothing to score"),
     ("score", ["--text_file={text}", "--block_size=0"], "not an integer in the range [1, 1024]"),
@@ -33,6 +44,12 @@ CASES = [
     ("score", ["--text_file={text}", "--kv_format=int8", "--evict_policy=h2o",
                "--budget_tokens=8"], "one at a time"),
     ("generate", ["--prompt=hi", "--max_new_tokens=0"], "0 is not a positive integer"),
+    # A positional argument is refused as such even where a required flag is missing (absl
+    # validates required flags while parsing, and said "--prompt must have a value").
+    ("generate", ["What is a KV cache?"],
+     "unexpected positional argument 'What is a KV cache?': this program takes only flags"),
+    ("score", ["stray"], POSITIONAL),  # without --text_file
+    ("runs", ["stray"], POSITIONAL),  # without --run_dir
     ("demo", ["--max_new_tokens=-1"], "not an integer in the range [1, 192]"),
     ("bench_reclaim", ["--repeats=0"], "--repeats=0"),
     ("bench_attention", ["--contexts=0"], "0 is not in [1, 131072]"),
@@ -68,12 +85,23 @@ MORE_CASES = [
     ("bench_model", ["--contexts=8190"], "exceed smollm2-135m's context of 8192"),
     ("bench_model", ["--kv_format=int8"], "value should be one of <f32|bf16>"),
     ("runs", ["--run_dir={missing}"], "not a complete run directory"),
+    ("generate", ["--", "--prompt=hi"], "unexpected positional argument --prompt=hi"),
+    # smollm2-135m is --model's value, --chat a boolean: only "stray" is positional.
+    ("generate", ["--model", "smollm2-135m", "--chat", "stray"], POSITIONAL),
 ]
+# Every other program, with a positional argument (score and runs are in CASES).
+MORE_CASES += [(module, ["stray"], POSITIONAL) for module in _programs()
+               if module not in ("score", "runs")]
 if jax.default_backend() != "gpu":  # with a GPU, --skip_cpu is a legitimate (GPU-only) run
     MORE_CASES.append(("bench_attention", ["--skip_cpu"], "--skip_cpu leaves nothing to measure"))
 
 HELP = ["accounting", "score", "generate"]  # CLIs with --model
 MORE_HELP = ["bench_attention"]  # --cpu_model, --gpu_model
+
+
+def test_every_program_is_swept_for_positionals():
+    assert {"accounting", "generate", "loadtest", "runs", "score"} <= set(_programs())
+    assert "cli" not in _programs()
 
 
 def _ids(case):

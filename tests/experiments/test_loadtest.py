@@ -93,6 +93,24 @@ def test_bad_flags_are_one_line_and_exit_2(args, message, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+def test_a_trace_without_the_requests_its_header_claims_is_one_line_and_exit_2(tmp_path):
+    """A trace whose header claims 300 requests and holds none (it gave an empty table, exit 0)
+    is refused when read: one line naming the file, its header line and the count."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(line) for line in (
+        {"kind": "header", "format": "kvquota-trace", "version": 1,
+         "config": {"seed": 0, "requests": 300, "vocab_size": 1000}},
+        {"kind": "tenant", "tenant": 0, "group": -1, "quota_share": 1.0, "salt_group": -1},
+    )) + "\n")
+    runs = tmp_path / "runs"
+    proc = run_cli("loadtest", f"--trace={trace}", f"--runs_dir={runs}", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: TraceFormatError: "), lines
+    assert f"{trace.resolve()}:1: no request lines" in lines[0] and "says 300" in lines[0]
+    assert proc.stdout == "" and not runs.exists()  # nothing measured, nothing written
+
+
 @pytest.mark.slow
 def test_a_larger_run(tmp_path):
     proc = run_cli("loadtest", "--blocks=65536", "--requests=3000", "--max_seqs=512",

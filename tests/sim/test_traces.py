@@ -22,6 +22,7 @@ from kvquota.errors import InvalidArgumentError
 from kvquota.sim import (TenantSpec, Trace, TraceConfig, TraceEvent, TraceFormatError,
                          TraceRequest, generate_trace, load_trace, prompt_ids, save_trace,
                          system_prompt_ids, trace_summary)
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -434,6 +435,15 @@ BAD = {
                                'NaN, "salt_group": 0}'] + l[3:], 4, "not finite: NaN"),
     "not an object": (lambda l: l[:3] + ["[1, 2]"] + l[3:], 4, "expected a JSON object"),
     "empty file": (lambda l: [], 1, "no header line"),
+    # Errors at the header (line 1), where the request count is claimed.
+    "no requests": (lambda l: l[:4] + l[7:], 1, "no request lines"),
+    "no requests of the 300 claimed": (
+        lambda l: _set(0, config={"requests": 300})(l[:4] + l[7:]), 1,
+        "no request lines: a trace needs at least one request (the header's config says 300)"),
+    "fewer requests than claimed": (_set(0, config={"requests": 4}), 1,
+                                    "the header's config says 4 requests, the file has 3"),
+    "more requests than claimed": (_set(0, config={"requests": 2}), 1,
+                                   "the header's config says 2 requests, the file has 3"),
 }
 
 
@@ -448,6 +458,28 @@ def test_loader_errors_name_file_line_and_problem(tmp_path, case):
     assert isinstance(err.value, InvalidArgumentError)
     assert str(err.value).startswith(f"{path}:{line}: "), str(err.value)
     assert words in str(err.value)
+
+
+def test_a_generated_trace_cut_short_is_refused_and_committed_traces_load(tmp_path):
+    """A file's request lines must be as many as its header's config.requests says: a generated
+    trace cut short neither loads nor saves; the traces committed under results/ load."""
+    trace = generate_trace(TraceConfig(seed=2, requests=50, tenants=2, groups=1))
+    path = tmp_path / "t.jsonl"
+    save_trace(trace, path)
+    lines = path.read_text().splitlines()
+    last = max(i for i, line in enumerate(lines) if json.loads(line)["kind"] == "request")
+    _write(path, lines[:last] + lines[last + 1:])
+    with pytest.raises(TraceFormatError, match=re.escape(
+            f"{path}:1: the header's config says 50 requests, the file has 49 request lines")):
+        load_trace(path)
+    cut = dataclasses.replace(trace, requests=trace.requests[:-1])
+    with pytest.raises(TraceFormatError, match="says 50 requests, the file has 49"):
+        save_trace(cut, tmp_path / "cut.jsonl")
+    committed = sorted((REPO / "results").glob("**/trace.jsonl"))
+    assert committed
+    for path in committed:
+        back = load_trace(path)
+        assert len(back.requests) == back.config["requests"]
 
 
 def test_load_of_a_missing_file_is_typed(tmp_path):
