@@ -105,6 +105,39 @@ def test_plan_equals_apply_for_every_policy_and_request(policy):
             assert dev <= req.byte_quota + plan.shortfall_bytes
 
 
+def pinned_scenario():
+    """`scenario()` with tenant 0 pinning two blocks: one only it holds (seq 1's first block) and
+    one it shares with tenant 1 (the shared prompt's first block, which it pays for)."""
+    alloc, s = scenario()
+    private, shared = int(s.seqs.block_tables[1, 0]), int(s.seqs.block_tables[0, 0])
+    assert int(s.blocks.ref_count[private]) == 1 and int(s.blocks.ref_count[shared]) == 2
+    assert int(s.blocks.payer[private]) == int(s.blocks.payer[shared]) == 0
+    s, _ = alloc.pin_blocks(s, np.array([private, shared], np.int32))
+    alloc.check(s)
+    return alloc, s, (private, shared)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p if isinstance(p, str) else p.name)
+def test_pinned_blocks_are_never_planned_as_reclaimable(policy):
+    """Pins hold their blocks on the device under every preset: a plan counts them as held by
+    pins, never as bytes it takes, and apply measures exactly what the plan said."""
+    alloc, s, pinned = pinned_scenario()
+    for req in (ReclaimRequest.quota_cut(0, 0), ReclaimRequest.quota_cut(0, 2 * BLOCK),
+                ReclaimRequest.make_room(2, 12 * BLOCK)):
+        plan = alloc.plan_reclaim(s, req, policy)
+        s2, rep = alloc.apply_plan(s, plan)
+        alloc.check(s2)
+        assert _figures(rep.steps) == _figures(plan.steps), (str(plan), rep.steps)
+        for b in pinned:  # still resident, pinned and charged to tenant 0
+            assert int(s2.blocks.pin_count[b]) == 1 and int(s2.blocks.payer[b]) == 0
+        if req.kind == "quota_cut":
+            assert plan.pinned_bytes_held == 2 * BLOCK
+            # Everything else tenant 0 paid for on the device is at most what the plan took.
+            before = alloc.ledger(s).device_bytes[0]
+            assert plan.planned_bytes <= before - 2 * BLOCK
+            assert alloc.ledger(s2).device_bytes[0] >= 2 * BLOCK
+
+
 def test_tiered_quota_cut_then_topup_fits_at_once():
     alloc, s = scenario()
     # Tenant 2 fills pool 0 (5 free blocks) so nothing is left for a top-up.
