@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from kvquota import core
-from kvquota.codes import SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING
+from kvquota.codes import FATE_PREEMPTED, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING
 from kvquota.errors import (
     InvalidArgumentError,
     PlanMismatchError,
@@ -32,13 +32,10 @@ from kvquota.reclaim.plan import (
     SeqArchive,
     get_reclaim_policy,
 )
+from kvquota.reclaim.means import get_means
 from kvquota.reclaim.planner import Planner, fingerprint, host_view
 from kvquota.sentinel import INVALID
 from kvquota.validation import bucket, int_scalar, pad
-
-_DROPS = ("drop_idle", "preempt")
-_MOVES = ("offload_idle", "suspend_running")
-
 
 class ReclaimOps:
     """Lifecycle, plan / apply and rebalance; `self.config`, the validation helpers and `_run`
@@ -195,22 +192,12 @@ class ReclaimOps:
         steps, archives, preempted = [], [], []
         for step in plan.steps:
             before = self._meter(state, victims)
-            if step.means in _DROPS:
-                rep = run(self.preempt, np.asarray(step.seqs, np.int32))
-                archives += [SeqArchive(seq=s, tenant=t, token_ids=tok, position=p)
-                             for s, t, tok, p in rep.archives()]
+            means = get_means(step.means)
+            state, rep = means.apply(self, state, plan, step, step_donate())
+            archives += [SeqArchive(seq=s, tenant=t, token_ids=tok, position=p)
+                         for s, t, tok, p in means.archives(rep)]
+            if means.fate == FATE_PREEMPTED:
                 preempted += list(step.seqs)
-            elif step.means in _MOVES:
-                run(self.offload, np.asarray(step.seqs, np.int32))
-            elif step.means == "compress":
-                fmt = pol.compress_format or self.config.compressed_pools[0][0]
-                run(self.compress, np.asarray(step.seqs, np.int32), kv_format=fmt,
-                    keep_recent=pol.compress_keep_recent, policy="coldest")
-            elif step.means == "evict":
-                run(self.evict, np.asarray(step.seqs, np.int32), policy=pol.evict_policy,
-                    keep_tokens=pol.evict_keep_tokens, mode="block")
-            elif step.means == "release":
-                run(self.release_tenant, req.tenant, unpin=True)
             steps.append(self._measured(step, before, self._meter(state, victims)))
         rebalance = dict(recycled_slots=0, cold_blocks_dropped=0)
         if pol.rebalance and preempted:

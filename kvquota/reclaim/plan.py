@@ -14,6 +14,7 @@ import numpy as np
 
 from kvquota.codes import FATE_NAMES
 from kvquota.errors import InvalidArgumentError
+from kvquota.reclaim.means import REGISTRY
 
 REQUEST_KINDS = ("quota_cut", "lease_expiry", "make_room")
 
@@ -47,17 +48,16 @@ class ReclaimRequest:
         return cls("make_room", tenant, bytes_needed=bytes_needed)
 
 
-# Means, in the tiered order of DESIGN.md §1.4. A policy lists the ones it uses, in its order.
-# (Cold cached blocks are charged to no one and already count as free capacity, so they are no
-# means toward a target; `rebalance` drops them when asked.)
-MEANS = (
-    "drop_idle",  # IDLE sessions of inactive tenants: KV dropped (preempted: replay on resume)
-    "offload_idle",  # IDLE sessions' own blocks to host (suspended)
-    "suspend_running",  # RUNNING sequences' own blocks to host (suspended)
-    "compress",  # own cold full blocks into a compressed pool (lossy)
-    "preempt",  # RUNNING sequences' KV dropped; replay by recomputing prefill
-    "evict",  # whole blocks of the least-scored tokens dropped for good (lossy); off by default
-)
+# The built-in means, in the tiered order of DESIGN.md §1.4 (kvquota.reclaim.means holds one class
+# each; a policy lists any registered means). Cold cached blocks are charged to no one and already
+# count as free capacity, so they are no means toward a target; `rebalance` drops them when asked.
+#   drop_idle: IDLE sessions of inactive tenants, KV dropped (preempted: replay on resume)
+#   offload_idle: IDLE sessions' own blocks to host (suspended)
+#   suspend_running: RUNNING sequences' own blocks to host (suspended)
+#   compress: own cold full blocks into a compressed pool (lossy)
+#   preempt: RUNNING sequences' KV dropped; replay by recomputing prefill
+#   evict: whole blocks of the least-scored tokens dropped for good (lossy); off by default
+MEANS = tuple(REGISTRY)
 VICTIM_ORDERS = ("newest", "largest", "priority")
 
 
@@ -67,7 +67,7 @@ class ReclaimPolicy:
 
     Attributes:
       name: preset name (or the caller's own).
-      means: the means used, in order (a subset of MEANS).
+      means: the means used, in order (names registered in kvquota.reclaim.means).
       allow_evict: eviction runs only when this is True, even if listed (the last resort).
       take_all: each step takes every sequence it can, not just until the target is met.
       victim_order: which sequences go first: "newest" (latest admitted, as vLLM), "largest"
@@ -101,9 +101,10 @@ class ReclaimPolicy:
     rebalance: bool = True
 
     def __post_init__(self):
-        unknown = [m for m in self.means if m not in MEANS]
+        unknown = [m for m in self.means if m not in REGISTRY]
         if unknown:
-            raise InvalidArgumentError(f"unknown reclaim means {unknown}; known: {', '.join(MEANS)}")
+            raise InvalidArgumentError(f"unknown reclaim means {unknown}; known: "
+                                       f"{', '.join(REGISTRY)}")
         if len(set(self.means)) != len(self.means):
             raise InvalidArgumentError(f"a reclaim means is listed twice: {self.means}")
         if self.victim_order not in VICTIM_ORDERS:

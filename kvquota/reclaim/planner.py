@@ -17,24 +17,16 @@ import jax
 import numpy as np
 
 from kvquota.codes import (
-    FATE_COMPRESSED,
-    FATE_EVICTED,
     FATE_GROWING,
     FATE_PREEMPTED,
-    FATE_RELEASED,
     FATE_SUSPENDED,
     FATE_UNTOUCHED,
     SEQ_FREE,
-    SEQ_IDLE,
     SEQ_RUNNING,
 )
+from kvquota.reclaim.means import RELEASE, Means, get_means
 from kvquota.reclaim.plan import PlanStep, SeqFate
 from kvquota.reclaim.simulate import HostModel
-
-_FATE_OF = {"drop_idle": FATE_PREEMPTED, "preempt": FATE_PREEMPTED, "offload_idle": FATE_SUSPENDED,
-            "suspend_running": FATE_SUSPENDED, "compress": FATE_COMPRESSED,
-            "evict": FATE_EVICTED, "release": FATE_RELEASED}
-
 
 def host_view(state):
     """The metadata a plan reads, on the host (no pages, no per-token arrays)."""
@@ -116,98 +108,28 @@ class Planner:
             return True
         return not self.policy.take_all and self.progress() >= self.target
 
-    def candidates(self, means):
-        status, ten = self.host.seqs.seq_status, self.host.seqs.seq_tenant
-        free = [r for r in self.rows if self.fate[r] == FATE_UNTOUCHED]
-        if means == "drop_idle":
-            running = set(ten[status == SEQ_RUNNING].tolist())
-            lease = self.host.tenants.lease_expiry
-            inactive = {t for t in self.victims if t not in running
-                        or (self.now is not None and lease[t] <= self.now)}
-            return [r for r in free if status[r] == SEQ_IDLE and ten[r] in inactive]
-        if means == "offload_idle":
-            return [r for r in free if status[r] == SEQ_IDLE]
-        if means == "suspend_running":
-            return [r for r in free if status[r] == SEQ_RUNNING]
-        if means == "preempt":  # a compressed sequence may still be dropped whole
-            free = [r for r in self.rows if self.fate[r] in (FATE_UNTOUCHED, FATE_COMPRESSED)]
-        return [r for r in free if status[r] in (SEQ_RUNNING, SEQ_IDLE)]
+    def untouched(self, statuses, fates=(FATE_UNTOUCHED,)) -> list[int]:
+        """Victim rows, in victim order, in one of `statuses` whose fate is one of `fates`."""
+        status = self.host.seqs.seq_status
+        return [r for r in self.rows if self.fate[r] in fates and status[r] in statuses]
 
     # ---- one step --------------------------------------------------------------------------
-    def run_step(self, means):
+    def run_step(self, means: Means):
         """Take rows for `means` until the target is met; record the step(s) apply will run."""
-        if means == "evict" and not self.policy.allow_evict:
-            return
-        if means == "compress" and not self._compress_gate_open():
+        if not means.usable(self):
             return
         taken = []
-        for r in self.candidates(means):
+        for r in means.candidates(self):
             if self.done():
                 break
-            if self._apply(means, r):
+            if means.take(self, r):
+                self.fate[r] = means.fate
                 taken.append(r)
-                if means == "evict":  # one call per row: the core judges own blocks per call
-                    self.add_step(means, [r])
-        if taken and means != "evict":
-            if means in ("drop_idle", "preempt"):  # the batch settles differently: redo it so
-                self.m = self.snapshot.copy()       # the step's figures are the call's
-                self.m.drop(taken, victims=self.victims)
-            self.add_step(means, taken)
-
-    def _apply(self, means, r) -> bool:
-        """Apply `means` to row r in the model; False (model unchanged) when it cannot."""
-        m, c = self.m, self.c
-        if means in ("drop_idle", "preempt"):
-            m.drop([r], victims=self.victims)
-        elif means in ("offload_idle", "suspend_running"):
-            if c.host_pool is None:
-                return False
-            pos = m.own(r, 0)
-            if len(pos) > m.free[c.host_pool]:
-                self.host_short = True
-                return False
-            self.moved[r] = len(pos)
-            m.move(r, pos, c.host_pool)
-        elif means == "compress":
-            pool = self.compress_pool
-            pos = m.own(r, 0)
-            lens = self.host.seqs.seq_lens[r]
-            full = m.fill[m.tables[r, pos]] == c.block_size
-            cold = (pos + 1) * c.block_size <= lens - self.policy.compress_keep_recent
-            pos = pos[full & cold]
-            if not len(pos) or len(pos) > m.free[pool]:
-                return False
-            m.move(r, pos, pool)
-        elif means == "evict":
-            keep = self.evict_masks.get(r)
-            if keep is None:
-                return False
-            e = m.tables[r]
-            live = e >= 0
-            ec = np.where(live, e, 0)
-            dropped = live & ~keep
-            if not dropped.any():
-                return False
-            first = int(np.argmax(dropped))
-            own = (m.ref[ec] == 1) & (m.pin[ec] == 0) & (m.payer[ec] == m.ten[r])
-            fresh = keep & live & (np.arange(len(e)) >= first) & ~own
-            if fresh.sum() > m.free[0] or (fresh & (m.pool[ec] != 0)).any():
-                return False
-            m.copy_on_write(r, int(fresh.sum()))
-            m.drop([], entries=[(r, np.flatnonzero(dropped | fresh))], victims=self.victims)
-        else:
-            raise AssertionError(means)
-        self.fate[r] = _FATE_OF[means]
-        return True
-
-    def _compress_gate_open(self) -> bool:
-        c = self.c
-        if not c.compressed_pools:
-            return False
-        if not self.policy.compress_gated or c.host_pool is None or self.host_short:
-            return True
-        used = c.pool_sizes[c.host_pool] - self.m.free[c.host_pool]
-        return used >= c.host_watermark * c.pool_sizes[c.host_pool]
+                if not means.batched:
+                    self.add_step(means.name, [r])
+        if taken and means.batched:
+            means.settle(self, taken)
+            self.add_step(means.name, taken)
 
     def add_step(self, means, rows):
         """Record a step from the model's change since the last one."""
@@ -230,21 +152,20 @@ class Planner:
 
     # ---- the whole plan --------------------------------------------------------------------
     def plan(self) -> tuple:
-        if self.request.kind == "lease_expiry":
-            t = self.victims[0]
-            self.m.drop(self.rows, unpin_tenant=t, victims=self.victims)
+        if self.request.kind == "lease_expiry":  # every row goes, whatever the target
             for r in self.rows:
-                self.fate[r] = FATE_RELEASED
-            self.add_step("release", list(self.rows))
+                self.fate[r] = RELEASE.fate
+            RELEASE.settle(self, list(self.rows))
+            self.add_step(RELEASE.name, list(self.rows))
         elif self.policy.grow_no_admit:  # takes nothing; a quota cut's survivors grow
             for r in self.rows if self.request.kind == "quota_cut" else ():
                 if self.host.seqs.seq_status[r] == SEQ_RUNNING:
                     self.fate[r] = FATE_GROWING
         else:
-            for means in self.policy.means:
+            for name in self.policy.means:
                 if self.done():
                     break
-                self.run_step(means)
+                self.run_step(get_means(name))
         return self.steps, self.fates()
 
     def fates(self) -> tuple[SeqFate, ...]:

@@ -25,7 +25,8 @@ from kvquota.codes import (
     SEQ_RUNNING,
     SEQ_SUSPENDED,
 )
-from kvquota.reclaim import PRESETS, ReclaimPolicy, ReclaimRequest
+from kvquota.reclaim import PRESETS, ReclaimPolicy, ReclaimRequest, register
+from kvquota.reclaim.means import REGISTRY, DropIdle
 from kvquota.sentinel import INVALID
 from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts, snapshot
 
@@ -136,6 +137,38 @@ def test_pinned_blocks_are_never_planned_as_reclaimable(policy):
             before = alloc.ledger(s).device_bytes[0]
             assert plan.planned_bytes <= before - 2 * BLOCK
             assert alloc.ledger(s2).device_bytes[0] >= 2 * BLOCK
+
+
+class DropEveryIdle(DropIdle):
+    """A toy means: every IDLE victim session dropped, whether its tenant is active or not."""
+
+    name = "drop_every_idle"
+
+    def candidates(self, planner):
+        return planner.untouched((SEQ_IDLE,))
+
+
+def test_a_new_means_is_one_class_and_one_registry_line():
+    """Tenant 0 is active (seq 0 runs), so drop_idle leaves its idle seq 1 alone; the toy means
+    takes it, and plan, apply, fates and archives treat it as any built-in means."""
+    alloc, s = scenario()
+    cut = ReclaimRequest.quota_cut(0, 0)
+    assert all(st.means != "drop_idle" for st in alloc.plan_reclaim(s, cut, "tiered").steps)
+    register(DropEveryIdle())
+    try:
+        policy = ReclaimPolicy(name="toy", means=("drop_every_idle", "preempt"))
+        plan = alloc.plan_reclaim(s, cut, policy)
+        s2, rep = alloc.apply_plan(s, plan)
+    finally:
+        del REGISTRY[DropEveryIdle.name]
+    alloc.check(s2)
+    assert [(st.means, st.seqs) for st in plan.steps] == [("drop_every_idle", (1,)),
+                                                          ("preempt", (0,))]
+    assert _figures(rep.steps) == _figures(plan.steps)
+    assert {f.seq: f.fate for f in plan.fates} == {0: FATE_PREEMPTED, 1: FATE_PREEMPTED}
+    assert sorted(a.seq for a in rep.archives) == [0, 1]
+    with pytest.raises(E.InvalidArgumentError, match="unknown reclaim means"):
+        ReclaimPolicy(name="toy", means=("drop_every_idle",))  # unregistered again
 
 
 def test_tiered_quota_cut_then_topup_fits_at_once():
