@@ -39,6 +39,7 @@ class Means:
     name: ClassVar[str]
     fate: ClassVar[int]  # what a taken sequence does next (kvquota.codes FATE_*)
     batched: ClassVar[bool] = True  # one facade call for the step's rows (False: one per row)
+    settles_from_start: ClassVar[bool] = False  # `settle` redoes the step from its start model
 
     def usable(self, planner) -> bool:
         return True
@@ -50,8 +51,9 @@ class Means:
     def take(self, planner, row: int) -> bool:
         raise NotImplementedError
 
-    def settle(self, planner, rows: list[int]) -> None:
-        """Bring the model to what the step's one call does to `rows` (most means: nothing)."""
+    def settle(self, planner, rows: list[int], start) -> None:
+        """Bring the model to what the step's one call does to `rows` (most means: nothing);
+        `start` is a copy of the model before the step when `settles_from_start`."""
 
     def apply(self, alloc, state, plan, step, donate):
         """(state, report) of the facade op that carries out `step` of `plan`."""
@@ -66,14 +68,15 @@ class _Drop(Means):
     """Drop the rows' KV (one reference per table entry), archived for a replay by recompute."""
 
     fate = FATE_PREEMPTED
+    settles_from_start = True
 
     def take(self, planner, row):
         planner.m.drop([row], victims=planner.victims)
         return True
 
-    def settle(self, planner, rows):
+    def settle(self, planner, rows, start):
         # Blocks the rows share settle differently when dropped together (heirs, last refs).
-        planner.m = planner.snapshot.copy()
+        planner.m = start
         planner.m.drop(rows, victims=planner.victims)
 
     def apply(self, alloc, state, plan, step, donate):
@@ -221,7 +224,7 @@ class Release(Means):
     name = "release"
     fate = FATE_RELEASED
 
-    def settle(self, planner, rows):
+    def settle(self, planner, rows, start):
         planner.m.drop(rows, unpin_tenant=planner.victims[0], victims=planner.victims)
 
     def apply(self, alloc, state, plan, step, donate):

@@ -83,7 +83,7 @@ class Planner:
         if config.compressed_pools:
             names = [n for n, _ in config.compressed_pools]
             self.compress_pool = 1 + names.index(policy.compress_format or names[0])
-        self.snapshot = self.m.copy()  # the model as the last recorded step left it
+        self.recorded = self.m.meters()  # (charged, free) as the last recorded step left them
 
     def _order(self, rows):
         p, s = self.policy, self.host.seqs
@@ -118,8 +118,10 @@ class Planner:
         """Take rows for `means` until the target is met; record the step(s) apply will run."""
         if not means.usable(self):
             return
+        rows = means.candidates(self)
+        start = self.m.copy() if rows and means.settles_from_start else None
         taken = []
-        for r in means.candidates(self):
+        for r in rows:
             if self.done():
                 break
             if means.take(self, r):
@@ -128,34 +130,35 @@ class Planner:
                 if not means.batched:
                     self.add_step(means.name, [r])
         if taken and means.batched:
-            means.settle(self, taken)
+            means.settle(self, taken, start)
             self.add_step(means.name, taken)
 
     def add_step(self, means, rows):
         """Record a step from the model's change since the last one."""
-        m, c, before = self.m, self.c, self.snapshot
+        m, c = self.m, self.c
+        before_charged, before_free = self.recorded
         units = np.asarray(c.pool_units, np.int64)
         dev = np.asarray(c.device_pools)
         vict = list(self.victims)
-        quota = int(((before.charged[vict] - m.charged[vict]) * (units * dev)).sum())
-        pool_gain = ((m.free - before.free) * units * dev).sum()
-        host_units = 0 if c.host_pool is None else int(before.free[c.host_pool]
+        quota = int(((before_charged[vict] - m.charged[vict]) * (units * dev)).sum())
+        pool_gain = ((m.free - before_free) * units * dev).sum()
+        host_units = 0 if c.host_pool is None else int(before_free[c.host_pool]
                                                        - m.free[c.host_pool]) * units[-1]
-        delta = (before.charged[vict] - m.charged[vict]).sum(axis=0)
+        delta = (before_charged[vict] - m.charged[vict]).sum(axis=0)
         per_seq = tuple((int(r), int(self.moved.get(r, 0))) for r in rows)
         self.steps.append(PlanStep(
             means=means, seqs=tuple(int(r) for r in rows), blocks=int(np.abs(delta[0])),
             quota_bytes=quota * c.unit_bytes, pool_bytes=int(pool_gain) * c.unit_bytes,
-            pool0_bytes=int(m.free[0] - before.free[0]) * c.pool_bytes[0],
+            pool0_bytes=int(m.free[0] - before_free[0]) * c.pool_bytes[0],
             host_bytes=max(int(host_units), 0) * c.unit_bytes, per_seq=per_seq))
-        self.snapshot = m.copy()
+        self.recorded = m.meters()
 
     # ---- the whole plan --------------------------------------------------------------------
     def plan(self) -> tuple:
         if self.request.kind == "lease_expiry":  # every row goes, whatever the target
             for r in self.rows:
                 self.fate[r] = RELEASE.fate
-            RELEASE.settle(self, list(self.rows))
+            RELEASE.settle(self, list(self.rows), None)
             self.add_step(RELEASE.name, list(self.rows))
         elif self.policy.grow_no_admit:  # takes nothing; a quota cut's survivors grow
             for r in self.rows if self.request.kind == "quota_cut" else ():

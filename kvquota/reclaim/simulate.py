@@ -71,6 +71,10 @@ class HostModel:
         """Device units charged to `tenants`."""
         return int((self.charged[list(tenants)] * (self.units * self.device)[None, :]).sum())
 
+    def meters(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of what a step's figures are measured from: charges [T, POOLS], free [POOLS]."""
+        return self.charged.copy(), self.free.copy()
+
     def pool0_free(self) -> int:
         return int(self.free[0])
 
