@@ -10,9 +10,12 @@ tenants in 4 sharing groups. Releases one private tenant (~1/64 of the pool) thr
 per-block Python loop (the way a Python block pool frees: walk the tenant's tables, decrement,
 push to a free list) on the same data; checks that both end in the same state; reports their
 times and ratio, the time for a tenant whose shared prefix passes to an heir, and the jitted time
-at 2^16, 2^18 and 2^20 blocks; and the whole reclaim action (plan_reclaim + apply_plan of a
-`tiered` quota cut of one tenant to half its bytes) on the same state, beside them. Writes a run directory (experiments/runs.py): one point per
-release and per scaling size, the summary, and two plots.
+at 2^16, 2^18 and 2^20 blocks; and reclaim in one action (plan_reclaim + apply_plan: a quota
+cut of one tenant to half its bytes under tiered, swap-all and preempt-all, and a lease expiry),
+each against a plain donated release of the same tenant from the same state
+(`plan_apply_over_release` is the tiered cut's ratio). The state has a host pool of 1/8 of pool
+0 for swap-all. Writes a run directory (experiments/runs.py): one point per release, per reclaim
+action and per scaling size, the summary, and two plots.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ BLOCK_SIZE = 16
 TENANTS = 64
 BLOCKS_PER_SEQ = 128  # 2^20 blocks / 8,192 sequences
 PRIVATE_TENANT = TENANTS - 1  # outside every sharing group
+HOST_FRACTION = 8  # a host pool of 1/8 of pool 0's blocks: room for swap-all's offloads
 SHARED_TENANT = 0  # creator (payer) of group 0's prefix
 
 
@@ -57,6 +61,7 @@ def setup(log2_blocks: int, seed: int):
         kq.get_model_config(MODEL), num_blocks=blocks, block_size=BLOCK_SIZE,
         max_seqs=blocks // BLOCKS_PER_SEQ, max_blocks_per_seq=2 * BLOCKS_PER_SEQ,
         num_tenants=TENANTS, kv_format="bf16", with_pages=False,
+        host_blocks=blocks // HOST_FRACTION,
     )
     spec = kq.SyntheticSpec(num_seqs=config.max_seqs, prefix_blocks=4, group_size=4, num_groups=4,
                          pool_fill=0.9, seed=seed)
@@ -169,29 +174,54 @@ def loop_chain(config, host, tenants, warmup_tenant):
                          free=sorted(pool.free_list), charged=pool.charged, used=pool.used)
 
 
-def whole_action(config, state, tenants):
-    """Reclaim in one action through the public API: for each tenant in turn, plan a `tiered`
-    cut of its byte quota to half its device bytes (`plan_reclaim`), then `apply_plan(...,
-    donate=True)` on the state the previous action returned. Returns per-tenant (plan seconds,
-    apply seconds) and the plans, after one untimed warm-up action on the first tenant."""
+# The reclaim actions timed against a plain release of the same tenant: (policy, request kind).
+ACTIONS = {
+    "tiered_quota_cut": ("tiered", "quota_cut"),
+    "swap_all_quota_cut": ("swap-all", "quota_cut"),
+    "preempt_all_quota_cut": ("preempt-all", "quota_cut"),
+    "lease_expiry": ("tiered", "lease_expiry"),
+}
+
+
+def _figures(steps):
+    return [(st.means, st.seqs, st.quota_bytes, st.pool_bytes, st.host_bytes) for st in steps]
+
+
+def reclaim_vs_release(config, state, tenants, policy, kind):
+    """Reclaim in one action through the public API against a plain release, tenant by tenant:
+    on its own copy of `state`, `plan_reclaim` (a quota cut to half the tenant's device bytes,
+    or its lease expiry) then `apply_plan(..., donate=True)`; on another copy, a donated
+    `release_tenant` of the same tenant. The first tenant is an untimed warm-up of both.
+    Returns seconds per timed tenant {"plan", "apply", "release"}, the plans, and whether every
+    apply measured exactly what its plan said."""
     alloc = kq.Allocator(config)
-    x = _copy(state)
-    plan_s, apply_s, plans = [], [], []
+    seconds, plans, exact = {"plan": [], "apply": [], "release": []}, [], True
     for i, t in enumerate(tenants):
+        x = _copy(state)
+        request = (kq.ReclaimRequest.quota_cut(t, int(alloc.ledger(x).device_bytes[t]) // 2)
+                   if kind == "quota_cut" else kq.ReclaimRequest.lease_expiry(t))
         jax.block_until_ready(x)
-        half = int(alloc.ledger(x).device_bytes[t]) // 2
         t0 = time.perf_counter()
-        plan = alloc.plan_reclaim(x, kq.ReclaimRequest.quota_cut(t, half), "tiered")
+        plan = alloc.plan_reclaim(x, request, policy)
         t1 = time.perf_counter()
         x, report = alloc.apply_plan(x, plan, donate=True)
         jax.block_until_ready(x)
         t2 = time.perf_counter()
-        assert [s.quota_bytes for s in report.steps] == [s.quota_bytes for s in plan.steps]
-        if i:  # the first action compiles
-            plan_s.append(t1 - t0)
-            apply_s.append(t2 - t1)
+        exact &= _figures(report.steps) == _figures(plan.steps)
+        del x
+        y = _copy(state)
+        jax.block_until_ready(y)
+        t3 = time.perf_counter()
+        y, _ = alloc.release_tenant(y, t, donate=True)
+        jax.block_until_ready(y)
+        t4 = time.perf_counter()
+        del y
+        if i:
+            seconds["plan"].append(t1 - t0)
+            seconds["apply"].append(t2 - t1)
+            seconds["release"].append(t4 - t3)
             plans.append(plan)
-    return plan_s, apply_s, plans
+    return seconds, plans, exact
 
 
 def same_result(jitted_state, loop):
@@ -267,24 +297,29 @@ def run(log2_blocks, scaling, repeats, seed, on_point=lambda point: None) -> dic
         },
     }
     action_tenants = list(range(PRIVATE_TENANT - 1 - repeats, PRIVATE_TENANT - 1 - repeats - 9, -1))
-    plan_s, apply_s, plans = whole_action(config, final, action_tenants)
-    for t, ps, ap, pl in zip(action_tenants[1:], plan_s, apply_s, plans):
-        on_point({"kind": "reclaim_action", "blocks": config.num_blocks, "tenant": t,
-                  "plan_seconds": ps, "apply_seconds": ap, "seconds": ps + ap,
-                  "target_bytes": pl.target_bytes, "planned_bytes": pl.planned_bytes,
-                  "steps": [st.means for st in pl.steps],
-                  "sequences": sum(len(st.seqs) for st in pl.steps)})
-    total = [a + b for a, b in zip(plan_s, apply_s)]
-    result["reclaim_action"] = {
-        "policy": "tiered", "request": "quota cut to half the tenant's device bytes",
-        "tenants": action_tenants[1:],
-        "plan_seconds": med(plan_s), "apply_seconds": med(apply_s), "seconds": med(total),
-        "vs_release": med(total) / result["seconds"],
-        "vs_loop_release": med(total) / result["loop_seconds"],
-        "steps": sorted({m for pl in plans for m in (st.means for st in pl.steps)}),
-        "median_target_bytes": med([pl.target_bytes for pl in plans]),
-        "median_shortfall_bytes": med([pl.shortfall_bytes for pl in plans]),
-    }
+    result["reclaim_actions"] = {}
+    for name, (policy, kind) in ACTIONS.items():
+        secs, plans, exact = reclaim_vs_release(config, final, action_tenants, policy, kind)
+        total = [a + b for a, b in zip(secs["plan"], secs["apply"])]
+        for t, ps, ap, rs, pl in zip(action_tenants[1:], secs["plan"], secs["apply"],
+                                     secs["release"], plans):
+            on_point({"kind": "reclaim_action", "action": name, "blocks": config.num_blocks,
+                      "tenant": t, "plan_seconds": ps, "apply_seconds": ap, "seconds": ps + ap,
+                      "release_seconds": rs, "target_bytes": pl.target_bytes,
+                      "planned_bytes": pl.planned_bytes, "steps": [st.means for st in pl.steps],
+                      "sequences": sum(len(st.seqs) for st in pl.steps)})
+        result["reclaim_actions"][name] = {
+            "policy": policy, "request": kind, "tenants": action_tenants[1:],
+            "plan_seconds": med(secs["plan"]), "apply_seconds": med(secs["apply"]),
+            "seconds": med(total), "release_seconds": med(secs["release"]),
+            "over_release": med(total) / med(secs["release"]),
+            "plan_equals_apply": bool(exact),
+            "steps": sorted({st.means for pl in plans for st in pl.steps}),
+            "median_target_bytes": med([pl.target_bytes for pl in plans]),
+            "median_shortfall_bytes": med([pl.shortfall_bytes for pl in plans]),
+        }
+    # The issue's figure: plan + apply of a tiered cut to half over a release of the same tenant.
+    result["plan_apply_over_release"] = result["reclaim_actions"]["tiered_quota_cut"]["over_release"]
     del state, final
     for lg in scaling:
         if lg == log2_blocks:
@@ -343,14 +378,18 @@ def plot(points, metrics, out_dir) -> list[str]:
 
 
 def describe(summary: dict) -> str:
-    action = summary["reclaim_action"]
-    return (f"release of 1 tenant at {summary['blocks']:,} blocks: jitted "
-            f"{summary['seconds'] * 1e3:.3f} ms, loop {summary['loop_seconds'] * 1e3:.3f} ms, "
-            f"speedup {summary['speedup']:.1f}x (results match: {summary['results_match']}); "
-            f"tiered reclaim in one action (plan + apply): {action['seconds'] * 1e3:.1f} ms "
-            f"(plan {action['plan_seconds'] * 1e3:.1f} ms, apply "
-            f"{action['apply_seconds'] * 1e3:.1f} ms) = {action['vs_release']:.1f}x the "
-            f"release, {action['vs_loop_release']:.2f}x the Python-loop release")
+    lines = [f"release of 1 tenant at {summary['blocks']:,} blocks: jitted "
+             f"{summary['seconds'] * 1e3:.3f} ms, loop {summary['loop_seconds'] * 1e3:.3f} ms, "
+             f"speedup {summary['speedup']:.1f}x (results match: {summary['results_match']})",
+             "reclaim in one action (plan + apply) against a release of the same tenant:"]
+    for name, a in summary["reclaim_actions"].items():
+        lines.append(f"  {name:<22} {a['seconds'] * 1e3:8.1f} ms (plan "
+                     f"{a['plan_seconds'] * 1e3:.1f}, apply {a['apply_seconds'] * 1e3:.1f}) = "
+                     f"{a['over_release']:.1f}x the release's {a['release_seconds'] * 1e3:.2f} ms;"
+                     f" plan == apply: {a['plan_equals_apply']}")
+    lines.append(f"plan_apply_over_release (tiered cut to half): "
+                 f"{summary['plan_apply_over_release']:.1f}")
+    return "\n".join(lines)
 
 
 def main(argv):

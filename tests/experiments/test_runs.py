@@ -111,11 +111,19 @@ def test_bench_reclaim_json_contract_and_run_directory(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "config.json", "metrics.json", "points.jsonl", "release_times.png", "scaling.png"]
     kinds = [p["kind"] for p in runs.read_points(run_dir)]
-    # 2 private tenants, 4 prefix creators; 8 timed reclaim actions (plan + apply).
-    assert kinds == ["release"] * (2 + 4) + ["reclaim_action"] * 8 + ["scaling"]
-    action = summary["reclaim_action"]
-    assert action["steps"] and action["median_shortfall_bytes"] == 0
-    assert action["vs_release"] == pytest.approx(action["seconds"] / summary["seconds"])
+    # 2 private tenants, 4 prefix creators; 4 actions x 8 timed tenants (plan + apply).
+    assert kinds == ["release"] * (2 + 4) + ["reclaim_action"] * 4 * 8 + ["scaling"]
+    actions = summary["reclaim_actions"]
+    assert sorted(actions) == sorted(["tiered_quota_cut", "swap_all_quota_cut",
+                                      "preempt_all_quota_cut", "lease_expiry"])
+    for name, action in actions.items():
+        assert action["steps"] and action["median_shortfall_bytes"] == 0, name
+        assert action["plan_equals_apply"] is True, name
+        assert action["over_release"] == pytest.approx(
+            action["seconds"] / action["release_seconds"])
+    assert actions["swap_all_quota_cut"]["steps"] == ["suspend_running"]
+    assert actions["lease_expiry"]["steps"] == ["release"]
+    assert summary["plan_apply_over_release"] == actions["tiered_quota_cut"]["over_release"]
     assert runs.read_metrics(run_dir) == summary
     assert json.loads((tmp_path / "results" / "r.json").read_text()) == summary
 
