@@ -12,9 +12,11 @@ Each run of a benchmark writes
       metrics.json   the summary, written last: its presence marks the run as complete
       *.png          plots drawn from points.jsonl and metrics.json only (matplotlib, Agg)
 
-<key> is a short hash of the experiment, its resolved config, the git commit and the jax platform:
-the same measurement of the same code on the same kind of device lands in the same directory.
-(Uncommitted changes do not change the key; config.json says `git_dirty`.) An existing complete
+<key> is a short hash of the experiment, its resolved config, the git commit, the uncommitted
+changes (`git_changes`: a hash of the diff of tracked files against the commit and of every
+untracked file git does not ignore; None on a clean tree) and the jax platform: the same
+measurement of the same code on the same kind of device lands in the same directory, and an edit
+of the code, committed or not, is another run. An existing complete
 run is never overwritten: it is shown again, with a note, unless --overwrite asks for a new
 measurement; an incomplete one (no metrics.json: an interrupted run) is moved aside to
 `<dir>.incomplete-<time>` and measured again. The summary also goes to stdout with --json (one
@@ -73,17 +75,31 @@ def define_flags() -> None:
 
 
 def git_state() -> dict:
-    """The checkout's commit and whether tracked files differ from it (None off a git tree)."""
+    """The checkout's commit, whether tracked files differ from it, and `git_changes`: a hash of
+    everything uncommitted that could change a result (the diff of tracked files and the
+    untracked, non-ignored files, names and contents), None on a clean tree. All None off a
+    git tree."""
 
-    def git(*args):
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
-                              timeout=30, check=True).stdout.strip()
+    def git(*args) -> bytes:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True,
+                              timeout=30, check=True).stdout
 
     try:
-        return {"git_commit": git("rev-parse", "HEAD"),
-                "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        commit = git("rev-parse", "HEAD").decode().strip()
+        diff = git("diff", "--binary", "HEAD")
+        untracked = git("ls-files", "--others", "--exclude-standard", "-z").split(b"\0")
     except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
+        return {"git_commit": None, "git_dirty": None, "git_changes": None}
+    changes = hashlib.sha256(diff)
+    for name in sorted(n for n in untracked if n):
+        changes.update(b"\0" + name + b"\0")
+        try:
+            changes.update((REPO / name.decode()).read_bytes())
+        except OSError:  # removed since git listed it
+            pass
+    dirty = bool(diff) or any(untracked)
+    return {"git_commit": commit, "git_dirty": bool(diff),
+            "git_changes": changes.hexdigest()[:16] if dirty else None}
 
 
 def versions() -> dict:
@@ -119,10 +135,14 @@ def now_utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def run_key(experiment: str, config: dict, git_commit: str | None, platform_name: str) -> str:
+def run_key(experiment: str, config: dict, git_commit: str | None, platform_name: str,
+            git_changes: str | None = None) -> str:
     """8 hex digits of the sha256 of what decides a measurement."""
-    blob = json.dumps({"experiment": experiment, "config": config, "git_commit": git_commit,
-                       "platform": platform_name}, sort_keys=True)
+    what = {"experiment": experiment, "config": config, "git_commit": git_commit,
+            "platform": platform_name}
+    if git_changes is not None:  # a clean tree keeps the key it always had
+        what["git_changes"] = git_changes
+    blob = json.dumps(what, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
@@ -188,6 +208,7 @@ def summary_metadata(run: Run) -> dict:
         "seed": c["seed"],
         "git_commit": c["git_commit"],
         "git_dirty": c["git_dirty"],
+        "git_changes": c.get("git_changes"),  # absent from runs recorded before it existed
         "config": c["config"],
         "run_dir": str(run.path),
     }
@@ -203,7 +224,7 @@ def open_run(experiment: str, module: str, config: dict, *, seed, root: str = RU
     """
     git = git_state()
     dev = device()
-    key = run_key(experiment, config, git["git_commit"], dev["platform"])
+    key = run_key(experiment, config, git["git_commit"], dev["platform"], git["git_changes"])
     path = pathlib.Path(root) / f"{experiment}-{key}"
     if path.exists() and not overwrite:
         if (path / METRICS).exists():

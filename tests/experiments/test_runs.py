@@ -20,13 +20,52 @@ def _plot_one(points, metrics, out_dir):
     return ["xy.png"]
 
 
+def test_uncommitted_changes_are_part_of_the_run_key(tmp_path, monkeypatch):
+    """An edit of a tracked file, a new untracked file, or new contents of one give another
+    run directory; ignored files and a clean tree keep the key a clean tree always had."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True,  # noqa: E731
+                                    capture_output=True)
+    git("init", "-q")
+    (repo / "policy.py").write_text("SCORE = 1\n")
+    (repo / ".gitignore").write_text("runs/\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    monkeypatch.setattr(runs, "REPO", repo)
+
+    def key():
+        g = runs.git_state()
+        return runs.run_key("toy", {"n": 1}, g["git_commit"], "cpu", g["git_changes"]), g
+
+    clean, g = key()
+    assert g["git_changes"] is None and g["git_dirty"] is False
+    assert clean == runs.run_key("toy", {"n": 1}, g["git_commit"], "cpu")
+    (repo / "runs").mkdir()
+    (repo / "runs" / "old.json").write_text("{}")  # ignored: no change
+    assert key()[0] == clean
+    (repo / "policy.py").write_text("SCORE = 2\n")
+    edited, g = key()
+    assert edited != clean and g["git_dirty"] is True and g["git_changes"]
+    (repo / "new_policy.py").write_text("A = 1\n")
+    untracked, _ = key()
+    (repo / "new_policy.py").write_text("A = 2\n")
+    assert len({clean, edited, untracked, key()[0]}) == 4
+    (repo / "policy.py").write_text("SCORE = 1\n")
+    (repo / "new_policy.py").unlink()
+    assert key()[0] == clean
+
+
 def test_run_directory_lifecycle(tmp_path, capsys):
     config = {"size": 4, "sweep": [1, 2]}
     run = runs.open_run("toy", "experiments.bench_reclaim", config, seed=7, root=tmp_path)
     assert re.fullmatch(r"toy-[0-9a-f]{8}", run.path.name) and not run.complete
     recorded = runs.read_config(run.path)
     assert recorded["config"] == config and recorded["seed"] == 7
-    for key in ("git_commit", "git_dirty", "versions", "device", "command", "time_utc"):
+    for key in ("git_commit", "git_dirty", "git_changes", "versions", "device", "command",
+                "time_utc"):
         assert key in recorded
     assert "load_average_1_5_15" in recorded["device"]
     run.add_point({"x": 0, "y": 1.0})
