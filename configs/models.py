@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from configs.errors import UnknownModelError
+from configs.errors import ConfigError, UnknownModelError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.name}: num_q_heads={self.num_q_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
@@ -99,14 +99,17 @@ _PRESETS = (
         tie_embeddings=False, qkv_bias=True, max_context=32768,
     ),
     # Tiny random-init presets for fast tests: Qwen2-shaped (GQA, QKV bias), tied and untied.
+    # Their RMSNorm eps and RoPE theta are their own (no real preset's, nor flax's default eps
+    # 1e-6), and large enough to matter at the float64 oracle's tolerance: a decoder that
+    # ignored eps or hard-coded a theta fails tests/model/test_numpy_oracle.py.
     ModelConfig(
         name="tiny-qwen", hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
-        head_dim=16, ffn_size=128, vocab_size=256, rope_theta=1e4, rms_eps=1e-6,
+        head_dim=16, ffn_size=128, vocab_size=256, rope_theta=5e3, rms_eps=1e-3,
         tie_embeddings=True, qkv_bias=True, max_context=512,
     ),
     ModelConfig(
         name="tiny-qwen-untied", hidden_size=96, num_layers=3, num_q_heads=6, num_kv_heads=2,
-        head_dim=16, ffn_size=160, vocab_size=320, rope_theta=1e6, rms_eps=1e-6,
+        head_dim=16, ffn_size=160, vocab_size=320, rope_theta=2.5e4, rms_eps=3e-4,
         tie_embeddings=False, qkv_bias=True, max_context=1024,
     ),
 )

