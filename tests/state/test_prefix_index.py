@@ -393,6 +393,90 @@ def test_checker_catches_a_wrong_slot_of():
         alloc.check(_corrupt(s, slot_of=slot_of))
 
 
+# ---- lookups through tombstones (fast; the state machines above are slow) -----------------------
+def _numpy_hits(s, words, salt, tokens):
+    """Brute force over the stored arrays, in NumPy: the hashed blocks whose two hash words,
+    salt and token ids all equal the query's."""
+    b = jax.device_get(s.blocks)
+    return [int(i) for i in np.flatnonzero(
+        b.hashed & (b.block_hash == words).all(1) & (b.block_salt == salt)
+        & (b.token_ids == np.asarray(tokens)).all(1))]
+
+
+def test_lookups_probe_past_tombstones_and_never_return_a_freed_block():
+    """Four full blocks of one tenant with one key fill one cluster from its home; the 1st and
+    3rd entries are freed, so the cluster reads TOMB, live, TOMB, live. A lookup of each live
+    block's tokens walks past a tombstone to it (index == brute force == that block; a new
+    admission of its prompt takes it by reference), and a lookup of a freed block's tokens
+    misses (no hit, new blocks: never the freed or reused block). A lookup that stopped at a
+    tombstone misses the live blocks."""
+    alloc = Allocator(COLLIDE)
+    s = alloc.init()
+    for t in range(3):
+        s, _ = alloc.register_tenant(s, t, token_quota=64, byte_quota=8 * BLOCK)
+    salt = int(np.asarray(s.tenants.salt)[2])
+    pairs = _colliding_blocks(salt, n=4)
+    assert len(pairs) == 4
+    seqs = []
+    for rows in ([(2, pairs[0] + [1]), (2, pairs[1] + [1])],
+                 [(2, pairs[2] + [1]), (2, pairs[3] + [1])]):
+        s, r = alloc.admit(s, *prompts(rows))
+        alloc.check(s)
+        assert np.asarray(r.admitted).all() and _ints(r.new_blocks) == [2, 2]
+        seqs += _ints(r.seq_id)
+    full = _ints(np.asarray(s.seqs.block_tables)[seqs, 0])  # each prompt's full (hashed) block
+    assert int(s.blocks.hashed.sum()) == 4
+    words, salts = np.asarray(s.blocks.block_hash)[full], np.asarray(s.blocks.block_salt)[full]
+    assert (words == words[0]).all() and (salts == salt).all()  # one key
+    h0 = int(home(words[:1], salts[:1], home_count(COLLIDE), xp=np)[0])
+    at = np.asarray(s.index.slot_of)[full]
+    assert sorted(at.tolist()) == list(range(h0, h0 + 4))  # one cluster from the home
+    by_slot = [int(i) for i in np.argsort(at)]  # prompt indices in probe order
+    gone, live = by_slot[0::2], by_slot[1::2]
+    s, _ = alloc.free(s, [seqs[i] for i in gone])
+    alloc.check(s)
+    slots = np.asarray(s.index.slots)
+    assert slots[h0: h0 + 5].tolist() == [TOMB, full[live[0]], TOMB, full[live[1]], EMPTY]
+    assert int(s.index.occupied) == 4  # tombstones still count: no rebuild since
+
+    # The index's candidates for every prompt's key and tokens equal the brute force's (jax
+    # and NumPy): the live block alone for a live prompt, nothing for a freed one.
+    q = np.asarray(pairs, np.int32)
+    got, want = jax.device_get(_both(COLLIDE, s, words, salts, q))
+    np.testing.assert_array_equal(got, want)
+    for i in range(4):
+        expect = [full[i]] if i in live else []
+        assert _numpy_hits(s, words[0], salt, pairs[i]) == expect
+        assert [int(c) for c in got[i] if c != INVALID] == expect, (i, got[i])
+
+    # Admissions: the live prompts hit their blocks by reference ...
+    s, r = alloc.admit(s, *prompts([(2, pairs[i] + [2]) for i in live]))
+    alloc.check(s)
+    assert _ints(r.cached_tokens) == [2, 2] and _ints(r.hit_blocks) == [1, 1]
+    assert _ints(r.new_blocks) == [1, 1]
+    hit_seqs = _ints(r.seq_id)
+    assert _ints(np.asarray(s.seqs.block_tables)[hit_seqs, 0]) == [full[i] for i in live]
+    assert _ints(np.asarray(s.blocks.ref_count)[[full[i] for i in live]]) == [2, 2]
+    # (their partial blocks came from the stack the freed blocks went back to)
+    assert not np.asarray(s.blocks.hashed)[[full[i] for i in gone]].any()
+    s, _ = alloc.free(s, hit_seqs)
+    alloc.check(s)
+    assert _ints(np.asarray(s.blocks.ref_count)[[full[i] for i in live]]) == [1, 1]
+    # The freed prompts miss: no hit, every block new, none of them a live block.
+    s, r = alloc.admit(s, *prompts([(2, pairs[i] + [1]) for i in gone]))
+    alloc.check(s)
+    assert np.asarray(r.admitted).all()
+    assert _ints(r.cached_tokens) == [0, 0] and _ints(r.hit_blocks) == [0, 0]
+    assert _ints(r.new_blocks) == [2, 2]
+    tables = np.asarray(s.seqs.block_tables)[np.asarray(r.seq_id)][:, :2]
+    assert not set(tables.ravel().tolist()) & {full[i] for i in live}
+    assert _ints(np.asarray(s.blocks.ref_count)[tables.ravel()]) == [1, 1, 1, 1]
+
+
+def _ints(x):
+    return [int(v) for v in np.ravel(np.asarray(x))]
+
+
 # ---- donation: the index is updated in place -----------------------------------------------------
 @pytest.mark.parametrize("cold", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["cold-off", "cold-on"])
