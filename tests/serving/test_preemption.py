@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 import kvquota as kq
 from configs.models import get_model_config
 from kvquota.codes import REFUSED_BYTE_QUOTA, REFUSED_POOL_FULL
+from kvquota.sentinel import INVALID
 from kvquota.serving import CostModelExecutor, Request, Scheduler
 from kvquota.serving.preemption import POOL, Geometry, Room, choose_victims, shortfalls
+from tests.state.common import seq_tokens
 
 TINY = get_model_config("tiny-qwen")
 CONFIG = kq.StateConfig(TINY, num_blocks=40, block_size=4, max_seqs=8, max_blocks_per_seq=12,
@@ -44,6 +46,34 @@ def _one_victim_makes_room_for_three(s, short, long, reason):
     s.run()
     assert all(r.status == "finished" and r.finish == "length" for r in [*short, long])
     assert [r.preemptions for r in [*short, long]] == [0, 0, 0, 1]
+    kq.Allocator(s.config).check(s.state)
+
+
+def test_a_preempted_request_is_requeued_with_its_prompt_and_generated_tokens():
+    """The requeue's context is what the request prefills on resume: its prompt and every token
+    it generated, in order (the cost model's tokens are a hash of (request, index): a resume
+    from the prompt alone would re-sample them at the wrong positions). Checked on the queued
+    request, then on the cache its resume prefilled."""
+    s, short, long = _three_short_and_one_long(CONFIG, [8])
+    prompt = [20] * 18
+    s.step()  # D decodes its second token; A, B and C are refused: D is preempted
+    assert long.status == "queued" and long.resuming and long.preemptions == 1
+    generated = list(long.tokens)
+    assert len(generated) == 2
+    assert long.context == prompt + generated and len(long.context) == 20
+    assert long.seq == INVALID and long.prefilled == 0
+    assert s.queues[long.tenant][0] is long  # the front of its tenant's queue
+    for _ in range(8):  # re-admitted once A, B and C free room
+        s.step()
+        if long.status != "queued":
+            break
+    # Admitted and prefilled in one step: the prompt's 4 full blocks went cold at the
+    # preemption and hit; the other 4 context tokens are recomputed. The cache holds the
+    # context exactly; the token sampled after it is pending (not in the cache yet).
+    assert long.status == "running" and long.cached_tokens == 16 and long.prefilled == 20
+    assert int(s.state.seqs.seq_lens[long.seq]) == 20
+    assert seq_tokens(s.state, long.seq, CONFIG.block_size) == prompt + generated
+    assert long.tokens[:2] == generated and len(long.tokens) == 3
     kq.Allocator(s.config).check(s.state)
 
 
