@@ -32,6 +32,15 @@ def _ints(x):
     return [int(v) for v in np.asarray(x)]
 
 
+def ledger(alloc, s):
+    """The ledger's counts as plain ints, for exact comparison with figures worked out by hand:
+    charged blocks [T][POOLS] (pools: 0 = f32 device, 1 = int8, 2 = host), used tokens [T],
+    allocatable blocks per pool [POOLS] (pool 0's cold blocks included), cold blocks."""
+    led = jax.device_get(alloc.ledger(s))
+    return dict(charged=led.charged_blocks.tolist(), used=led.used_tokens.tolist(),
+                free=led.free_blocks.tolist(), cold=int(led.cold_blocks))
+
+
 def _value(prefix) -> float:
     """The K (and V - 0.5) every test writes for the token ending `prefix`: a function of the
     whole prefix, so a block holding K/V of another context shows."""
@@ -112,6 +121,12 @@ def test_next_turn_hits_its_cold_blocks_with_bit_identical_pages():
     assert fr.pool_bytes_returned == 3 * BLOCK and int(s.free.free_count[0]) == 6
     assert _ints(alloc.allocatable_blocks(s)) == [8, 4, 4]
     assert int(alloc.ledger(s).charged_bytes[0]) == 0
+    # The ledger: nothing charged to anyone, no tokens used, all 8 pool-0 blocks allocatable
+    # (6 on the stack + 2 cold); the free released t0's 3 blocks of quota and 5 tokens.
+    assert ledger(alloc, s) == dict(charged=[[0, 0, 0], [0, 0, 0]], used=[0, 0],
+                                    free=[8, 4, 4], cold=2)
+    assert fr.quota_bytes_released == 3 * BLOCK and _ints(fr.tokens_released) == [5, 0]
+    assert _ints(fr.blocks_returned) == [3, 0, 0]
     assert _ints(s.blocks.generation) == [g + (b == table[2]) for b, g in enumerate(gen)]
 
     s, r = admit(alloc, s, [(0, [1, 2, 3, 4, 5, 6, 7])])
@@ -127,6 +142,9 @@ def test_next_turn_hits_its_cold_blocks_with_bit_identical_pages():
     assert _ints(s.blocks.payer_refs[np.array(table[:2])]) == [1, 1]
     assert _ints(s.tenants.charged_blocks[0]) == [4, 0, 0]
     assert seq_tokens(s, seq, P) == [1, 2, 3, 4, 5, 6, 7]
+    assert ledger(alloc, s) == dict(charged=[[4, 0, 0], [0, 0, 0]], used=[7, 0],
+                                    free=[4, 4, 4], cold=0)
+    assert _ints(alloc.ledger(s).charged_bytes) == [4 * BLOCK, 0]
 
 
 def test_without_the_flag_the_next_turn_misses():
@@ -150,6 +168,8 @@ def test_cold_blocks_are_reused_least_recent_first_and_only_when_the_stack_is_em
     alloc.check(s)
     order = [xs[1], xs[0], ys[1], ys[0]]  # freed tables tail first, earlier frees first
     assert lru_of(s) == order
+    assert ledger(alloc, s) == dict(charged=[[0, 0, 0], [0, 0, 0]], used=[0, 0],
+                                    free=[8, 4, 4], cold=4)
     # Four stack blocks: an admission of four takes exactly them; the cold set is untouched.
     s, r = admit(alloc, s, [(1, [9] * 8)])
     assert int(s.free.free_count[0]) == 0 and lru_of(s) == order
@@ -160,6 +180,10 @@ def test_cold_blocks_are_reused_least_recent_first_and_only_when_the_stack_is_em
     seq = int(r.seq_id[0])
     assert _ints(s.seqs.block_tables[seq])[:2] == order[:2] and lru_of(s) == order[2:]
     assert [int(s.blocks.generation[b]) - gen[b] for b in order] == [1, 1, 0, 0]
+    # The two reused cold blocks are t1's now (4 + 2 charged), out of the cold count; the two
+    # left cold are all pool 0 can still allocate.
+    assert ledger(alloc, s) == dict(charged=[[0, 0, 0], [6, 0, 0]], used=[0, 11],
+                                    free=[2, 4, 4], cold=2)
     # An append at a block boundary takes the next one; a fork's partial copy the last.
     s, ar = alloc.append(s, [seq], [4])
     alloc.check(s)
@@ -418,9 +442,12 @@ def test_drop_cold_pushes_the_least_recent_onto_the_stack():
     s, _ = alloc.free(s, [0])
     order = lru_of(s)
     assert len(order) == 3
+    every = dict(charged=[[0, 0, 0], [0, 0, 0]], used=[0, 0], free=[8, 4, 4])
+    assert ledger(alloc, s) == dict(every, cold=3)
     gen, free0 = _ints(s.blocks.generation), int(s.free.free_count[0])
     s, rep = alloc.drop_cold(s, max_blocks=1)
     alloc.check(s)
+    assert ledger(alloc, s) == dict(every, cold=2)  # capacity the same, one block less cold
     assert int(rep.dropped_blocks) == 1 and int(rep.cold_blocks) == 2
     assert rep.bytes_dropped == BLOCK and lru_of(s) == order[1:]
     assert int(s.free.free_count[0]) == free0 + 1 and int(s.free.free_list[free0]) == order[0]
@@ -429,6 +456,7 @@ def test_drop_cold_pushes_the_least_recent_onto_the_stack():
     s, rep = alloc.drop_cold(s)
     alloc.check(s)
     assert int(rep.dropped_blocks) == 2 and lru_of(s) == [] and int(s.free.free_count[0]) == 8
+    assert ledger(alloc, s) == dict(every, cold=0)
     s, r = admit(alloc, s, [(0, [1, 2, 3, 4, 5])])
     assert _ints(r.cached_tokens)[0] == 0
     s, rep = alloc.drop_cold(s)  # nothing cold: nothing changes

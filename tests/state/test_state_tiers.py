@@ -66,6 +66,8 @@ def test_offload_then_restore_is_bit_exact_and_isolated(two_seqs):
     assert int(s.free.free_count[0]) == free0 + 3
     assert int(s.free.free_count[TINY.host_pool]) == TINY.host_blocks - 3
     assert _ints(s.tenants.charged_blocks[0]) == [0, 0, 3]
+    assert ledger(alloc, s) == dict(charged=[[0, 0, 3], [2, 0, 0]], used=[5, 3],
+                                    free=[6, 4, 1], cold=0)
     assert seq_tokens(s, 0, TINY.block_size) == toks
     assert _same(_seq_pages(s, 0), before0) and _same(_seq_pages(s, 1), before1)
     # The device byte quota no longer counts the offloaded blocks; the ledger's host column does.
@@ -78,6 +80,10 @@ def test_offload_then_restore_is_bit_exact_and_isolated(two_seqs):
     assert int(s.seqs.seq_status[0]) == SEQ_RUNNING and rep.blocks_moved == 3
     assert int(s.free.free_count[TINY.host_pool]) == TINY.host_blocks
     assert _ints(s.tenants.charged_blocks[0]) == [3, 0, 0]
+    assert ledger(alloc, s) == dict(charged=[[3, 0, 0], [2, 0, 0]], used=[5, 3],
+                                    free=[3, 4, 4], cold=0)
+    assert _ints(alloc.ledger(s).host_bytes) == [0, 0] and _ints(rep.quota_units_released) == [
+        TINY.pool_units[TINY.host_pool] * 3, 0]  # the host charges dropped
     assert _same(_seq_pages(s, 0), before0) and _same(_seq_pages(s, 1), before1)
     # Decoding goes on: the restored sequence appends, and its full blocks are lookup targets
     # again (a new prompt with the same first 4 tokens hits them).
@@ -86,6 +92,57 @@ def test_offload_then_restore_is_bit_exact_and_isolated(two_seqs):
     s, r = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5])]))
     alloc.check(s)
     assert int(r.hit_blocks[0]) == 2
+
+
+# An int8 block of TINY: K and V x 2 layers x 2 KV heads x 2 tokens x (16 int8 values + one bf16
+# scale per token and head) = 8 x 2 x 18 B.
+I8 = 288
+assert TINY.pool_bytes[1] == I8
+
+
+def test_the_ledger_follows_the_blocks_through_compress_offload_and_restore():
+    """Exact ledger figures after each move of t0's sequence [1, 2, 3, 4, 5] (two full blocks
+    and a partial one) beside t1's [7, 8, 9]: compress moves the full blocks' charge from pool 0
+    to the int8 pool, offload the partial block's (the compressed ones stay on the device) to
+    the host pool, restore brings it back to pool 0; logical tokens never change and t1's row
+    never moves."""
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5]), (1, [7, 8, 9])]))
+    alloc.check(s)
+    assert ledger(alloc, s) == dict(charged=[[3, 0, 0], [2, 0, 0]], used=[5, 3],
+                                    free=[3, 4, 4], cold=0)
+    assert _ints(alloc.ledger(s).charged_bytes) == [3 * BLOCK, 2 * BLOCK]
+
+    s, rep = alloc.compress(s, [0, INVALID], kv_format="int8", keep_recent=0)
+    alloc.check(s)
+    assert ledger(alloc, s) == dict(charged=[[1, 2, 0], [2, 0, 0]], used=[5, 3],
+                                    free=[5, 2, 4], cold=0)
+    led = alloc.ledger(s)
+    assert _ints(led.charged_bytes) == [BLOCK + 2 * I8, 2 * BLOCK]
+    assert _ints(led.device_bytes) == [BLOCK + 2 * I8, 2 * BLOCK]
+    assert _ints(led.host_bytes) == [0, 0]
+    assert _ints(rep.compressed_blocks) == [2, 0] and _ints(rep.blocks_returned) == [2, 0, 0]
+    assert _ints(rep.quota_units_released) == [2 * TINY.pool_units[0], 0]
+    assert rep.pool0_bytes_freed == 2 * BLOCK and rep.compressed_bytes_charged == 2 * I8
+    assert rep.net_device_bytes_returned == 2 * (BLOCK - I8)
+
+    s, rep = alloc.offload(s, [0, INVALID])
+    alloc.check(s)
+    assert ledger(alloc, s) == dict(charged=[[0, 2, 1], [2, 0, 0]], used=[5, 3],
+                                    free=[6, 2, 3], cold=0)
+    led = alloc.ledger(s)
+    assert _ints(led.host_bytes) == [BLOCK, 0] and _ints(led.device_bytes) == [2 * I8, 2 * BLOCK]
+    assert _ints(rep.moved_blocks) == [1, 0] and _ints(rep.blocks_returned) == [1, 0, 0]
+    assert rep.bytes_moved == BLOCK and rep.pool_bytes_returned == BLOCK
+
+    s, rep = alloc.restore(s, [0, INVALID])
+    alloc.check(s)
+    assert ledger(alloc, s) == dict(charged=[[1, 2, 0], [2, 0, 0]], used=[5, 3],
+                                    free=[5, 2, 4], cold=0)
+    led = alloc.ledger(s)
+    assert _ints(led.host_bytes) == [0, 0]
+    assert _ints(led.device_bytes) == [BLOCK + 2 * I8, 2 * BLOCK]
+    assert _ints(rep.moved_blocks) == [1, 0] and _ints(rep.blocks_returned) == [0, 0, 1]
 
 
 def test_shared_and_pinned_blocks_stay_on_the_device():
@@ -98,20 +155,40 @@ def test_shared_and_pinned_blocks_stay_on_the_device():
     alloc.check(s)
     assert rep.blocks_moved == 0 and int(s.seqs.seq_status[0]) == SEQ_SUSPENDED
     assert _ints(s.seqs.block_tables[0][:3]) == [0, 1, 2]
-    s, _ = alloc.restore(s, [0, INVALID])
+    # Nothing moved, so nothing in the ledger did: t0 still pays its three blocks on the
+    # device (one pinned), t1 its own [9] and references t0's two shared ones.
+    same = dict(charged=[[3, 0, 0], [1, 0, 0]], used=[5, 5], free=[4, 4, 4], cold=0)
+    led = alloc.ledger(s)
+    assert ledger(alloc, s) == same and rep.pool_bytes_returned == 0
+    assert _ints(led.pinned_blocks[:, 0]) == [1, 0] and _ints(led.shared_blocks[:, 0]) == [0, 2]
+    assert _ints(led.host_bytes) == [0, 0] and _ints(led.device_bytes) == [3 * BLOCK, BLOCK]
+    s, rep = alloc.restore(s, [0, INVALID])
     alloc.check(s)
+    assert ledger(alloc, s) == same and rep.blocks_moved == 0
 
 
 def test_freeing_and_releasing_a_suspended_sequence():
     alloc, s = fresh()
     s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3]), (1, [4, 5, 6])]))
     s, _ = alloc.offload(s, [0, 1])
+    alloc.check(s)
+    # Each tenant's two blocks are charged in the host pool now; none on the device.
+    assert ledger(alloc, s) == dict(charged=[[0, 0, 2], [0, 0, 2]], used=[3, 3],
+                                    free=[8, 4, 0], cold=0)
     s2, rep = alloc.free(s, [0])
     alloc.check(s2)
     assert rep.blocks_returned.tolist()[TINY.host_pool] == 2
+    # t0's host charge and tokens are gone, its two host blocks free again; t1 unchanged.
+    assert ledger(alloc, s2) == dict(charged=[[0, 0, 0], [0, 0, 2]], used=[0, 3],
+                                     free=[8, 4, 2], cold=0)
+    assert _ints(rep.tokens_released) == [3, 0] and rep.quota_bytes_released == 2 * BLOCK
+    assert rep.pool_bytes_returned == 2 * BLOCK
     s3, rep = alloc.release_tenant(s, 1)
     alloc.check(s3)
     assert int(s3.tenants.charged_blocks[1].sum()) == 0
+    assert ledger(alloc, s3) == dict(charged=[[0, 0, 2], [0, 0, 0]], used=[3, 0],
+                                     free=[8, 4, 2], cold=0)
+    assert _ints(rep.tokens_released) == [0, 3] and rep.quota_bytes_released == 2 * BLOCK
     # Every report carries the host pool's use and its watermark alarm (4 host blocks, 80 %).
     assert int(rep.host_blocks_used) == 2 and not rep.host_alarm
 
@@ -182,6 +259,15 @@ def test_no_host_pool_is_a_typed_error():
 
 def _ints(x):
     return [int(v) for v in np.asarray(x)]
+
+
+def ledger(alloc, s):
+    """The ledger's counts as plain ints, for exact comparison with figures worked out by hand:
+    charged blocks [T][POOLS] (pools: 0 = f32 device, 1 = int8, 2 = host), used tokens [T],
+    allocatable blocks per pool [POOLS], cold blocks."""
+    led = jax.device_get(alloc.ledger(s))
+    return dict(charged=led.charged_blocks.tolist(), used=led.used_tokens.tolist(),
+                free=led.free_blocks.tolist(), cold=int(led.cold_blocks))
 
 
 def _same(a, b):
