@@ -32,7 +32,8 @@ inputs on every process (SPMD). Metadata is replicated on every device of every 
 facade's host reads work on each process; keep a "kv" group inside one host ("kv" is the minor
 axis of `jax.devices()`, which lists devices host by host) so that each process holds whole
 pages too (`check_invariants` reads them). Tested on 8 forced CPU devices of one process
-(`tests/test_sharding.py`); not on GPUs nor across hosts.
+(`tests/test_sharding.py`), and as 2 JAX processes on one machine (`experiments/multihost.py`,
+`docs/multihost.md`); not on GPUs nor on separate machines.
 """
 
 from __future__ import annotations

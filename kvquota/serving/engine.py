@@ -285,7 +285,10 @@ class PagedEngine(_Engine):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.config = config
-        self.params = jax.device_put(params)  # once: numpy leaves would be copied every call
+        # Once: numpy leaves would be copied every call. Arrays already placed stay as they are
+        # (sharded weights may span other processes' devices, which device_put refuses).
+        self.params = jax.tree_util.tree_map(
+            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), params)
         self.allocator = Allocator(state_config)
         self.state = self.allocator.init() if state is None else state
         self.chunk_size = chunk_size
@@ -410,6 +413,16 @@ class PagedEngine(_Engine):
             last_only=True, pool_starts=self.pool_starts, record=self._record)
         self.last_mass = mass[0] if mass else None  # f32[B, M * P] with record_attention
         return report, logits
+
+    def decode_hlo(self, rows: int) -> str:
+        """The compiled HLO text of one decode step of `rows` rows on this engine's state, under
+        the mesh in context: what `kvquota.sharding.collectives` reads to count a step's
+        collectives."""
+        z = jnp.zeros((rows, 1), jnp.int32)
+        return _paged_forward.lower(
+            self.model, self.params, self.state, jnp.arange(rows, dtype=jnp.int32), z,
+            jnp.zeros(rows, jnp.int32), jnp.ones(rows, jnp.int32), z, last_only=True,
+            pool_starts=self.pool_starts).compile().as_text()
 
     def free(self, seq_ids):
         """Frees sequences (one reference dropped per block-table entry)."""
