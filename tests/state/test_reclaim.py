@@ -118,7 +118,14 @@ def pinned_scenario():
     return alloc, s, (private, shared)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p if isinstance(p, str) else p.name)
+# Three policies run by default (between them every means but evict); the rest under `slow`.
+PINNED_DEFAULT = ("tiered", "small", "compress-small")
+
+
+@pytest.mark.parametrize("policy", [
+    pytest.param(p, marks=() if (p if isinstance(p, str) else p.name) in PINNED_DEFAULT
+                 else pytest.mark.slow) for p in POLICIES],
+    ids=lambda p: p if isinstance(p, str) else p.name)
 def test_pinned_blocks_are_never_planned_as_reclaimable(policy):
     """Pins hold their blocks on the device under every preset: a plan counts them as held by
     pins, never as bytes it takes, and apply measures exactly what the plan said."""
