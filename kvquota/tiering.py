@@ -27,7 +27,7 @@ from kvquota.policies import TokenView, get_policy
 from kvquota.reports import CompressReport, EvictReport, MoveReport
 from kvquota.sentinel import INVALID
 from kvquota.state import KVState
-from kvquota.validation import int_array, int_scalar
+from kvquota.validation import bucket, int_array, int_scalar, pad
 
 # Which eligible blocks are compressed first: "oldest" (lowest block index) or "coldest" (lowest
 # accumulated attention mass, `blocks.attn_mass`, as H2O scores tokens).
@@ -55,6 +55,13 @@ class TierOps:
             raise TierError(f"{what}: this config has no host pool (host_blocks=0)")
         return self._batch(state, seq_ids, what, allowed)
 
+    def _move(self, name, state, rows, donate):
+        """The move core on `rows` padded with INVALID to a power of two (a reclaim suspends a
+        different number of sequences each time: one compile per size bucket, not per count);
+        the report's rows are the input's."""
+        state, report = self._run(name, state, pad(rows, bucket(len(rows))), donate=donate)
+        return state, report.replace(moved_blocks=report.moved_blocks[:len(rows)])
+
     def _own_blocks(self, state, real, pool):
         """Own blocks (ref 1, unpinned, paid by the sequence's tenant) of each real row in
         `pool` — counted by the core's own rule — and each row's tenant."""
@@ -72,7 +79,7 @@ class TierOps:
         room = int(self._allocatable(state)[c.host_pool])
         if need > room:
             raise PoolFullError(f"offload: {need} blocks to move, the host pool has {room} free")
-        return self._run("offload", state, rows, donate=donate)
+        return self._move("offload", state, rows, donate)
 
     def restore(self, state, seq_ids, *, donate=False) -> tuple[KVState, MoveReport]:
         """Bring suspended sequences' host blocks back to pool 0, bit-exact; RUNNING again.
@@ -96,7 +103,7 @@ class TierOps:
                 raise QuotaExceededError(
                     f"restore: tenant {int(t)} would hold {after * c.unit_bytes} B of device "
                     f"blocks, over its byte quota of {int(quota[t]) * c.unit_bytes} B")
-        return self._run("restore", state, rows, donate=donate)
+        return self._move("restore", state, rows, donate)
 
     def compress(self, state, seq_ids, *, kv_format: str, keep_recent: int = 32,
                  policy: str = "oldest", max_blocks: Optional[int] = None,
