@@ -52,3 +52,4 @@ REASONS = {
 }
 
 INT32_MAX = 2**31 - 1  # every counter in the state is int32; quotas and leases saturate here
+INT32_MIN = -(2**31)

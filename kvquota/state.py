@@ -424,14 +424,15 @@ def init_state(config: StateConfig) -> KVState:
 
 @functools.lru_cache(maxsize=64)
 def _expected(config: StateConfig):
-    """(treedef, leaf ShapeDtypeStructs, boundary ids) of a state of `config`."""
+    """(treedef, leaf ShapeDtypeStructs, boundary ids, their tier/precision codes, config_id)
+    of a state of `config`, computed once per config."""
     shapes = jax.eval_shape(lambda: init_state(config))
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
     bounds = sorted({i for s, n in zip(config.pool_starts, config.pool_sizes) for i in (s, s + n - 1)})
     pools = pool_of(config, np.asarray(bounds), xp=np)
     codes = np.stack([np.asarray(config.pool_tiers)[pools], np.asarray(config.pool_precisions)[pools]])
-    return treedef, list(zip(paths, leaves)), np.asarray(bounds, np.int32), codes
+    return treedef, list(zip(paths, leaves)), np.asarray(bounds, np.int32), codes, config_id(config)
 
 
 @jax.jit
@@ -451,7 +452,7 @@ def validate_state(config: StateConfig, state) -> None:
     """
     if not isinstance(state, KVState):
         raise StateMismatchError(f"expected a KVState, got {type(state).__name__}")
-    treedef, expected, bounds, codes = _expected(config)
+    treedef, expected, bounds, codes, want_id = _expected(config)
     leaves, got_def = jax.tree_util.tree_flatten(state)
     if got_def != treedef:
         raise StateMismatchError(
@@ -468,7 +469,7 @@ def validate_state(config: StateConfig, state) -> None:
                 f"{want.dtype}{tuple(want.shape)}")
     got_codes, got_id = jax.device_get(
         (_pool_codes(state.blocks.tier, state.blocks.precision, bounds), state.meta.config_id))
-    if not np.array_equal(got_id, config_id(config)):
+    if not np.array_equal(got_id, want_id):
         raise StateMismatchError(
             f"state was made for another config: its model, block size or pool formats differ "
             f"from this one's ({config.model.name}, blocks of {config.block_size}, pools "

@@ -6,11 +6,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from kvquota.codes import INT32_MAX
+from kvquota.codes import INT32_MAX, INT32_MIN
 from kvquota.errors import InputDtypeError, InputShapeError, QuotaValueError
 from kvquota.sentinel import INVALID
-
-INT32_MIN = -(2**31)
 
 
 def bucket(n: int) -> int:

@@ -162,6 +162,16 @@ def test_collective_costs_count_runs_bytes_and_process_crossings():
 # ---- failures ------------------------------------------------------------------------------------
 
 
+def _failed_in_one_line(proc, out, err, pids, prefix):
+    """The launcher failed with exit 1 and one line starting with `prefix`, printed nothing on
+    stdout, and left none of `pids` running."""
+    line = _one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    assert line.startswith(prefix), line
+    assert proc.returncode == 1 and out == ""
+    assert all(_gone(pid) for pid in pids)
+    _drop_logs(line)
+
+
 def test_a_killed_worker_fails_the_run_and_no_worker_is_left(tmp_path):
     """SIGKILL from outside to worker 1 (not the coordinator): the command exits 1 with one
     line naming process 1 and its signal, within seconds, and worker 0 is killed too."""
@@ -176,13 +186,8 @@ def test_a_killed_worker_fails_the_run_and_no_worker_is_left(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    line = _one_error_line(result)
-    assert line.startswith("error: process 1 exited with status -9 (SIGKILL): "), line
-    assert proc.returncode == 1 and out == ""
+    _failed_in_one_line(proc, out, err, pids, "error: process 1 exited with status -9 (SIGKILL): ")
     assert took < 10, took
-    assert all(_gone(pid) for pid in pids)
-    _drop_logs(line)
 
 
 def test_a_run_past_its_timeout_is_killed(tmp_path):
@@ -190,12 +195,8 @@ def test_a_run_past_its_timeout_is_killed(tmp_path):
     and they are killed (256 decode steps take longer than 10 s anywhere)."""
     proc, path = _launch(tmp_path, "--model=tiny-qwen", "--decode_steps=256", "--timeout_s=10")
     out, err = proc.communicate(timeout=60)
-    pids = _pids(path, 2, timeout=1)
-    line = _one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    assert line.startswith("error: timed out after 10 s with processes 0, 1 still running"), line
-    assert proc.returncode == 1 and out == ""
-    assert all(_gone(pid) for pid in pids)
-    _drop_logs(line)
+    _failed_in_one_line(proc, out, err, _pids(path, 2, timeout=1),
+                        "error: timed out after 10 s with processes 0, 1 still running")
 
 
 @pytest.mark.slow
@@ -210,12 +211,8 @@ def test_a_worker_killed_mid_decode_fails_the_run(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    pids = _pids(path, 2, timeout=1)
-    line = _one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    assert line.startswith("error: process 1 exited with status -9 (SIGKILL): "), line
-    assert proc.returncode == 1 and out == ""
-    assert all(_gone(pid) for pid in pids)
-    _drop_logs(line)
+    _failed_in_one_line(proc, out, err, _pids(path, 2, timeout=1),
+                        "error: process 1 exited with status -9 (SIGKILL): ")
 
 
 # ---- whole runs ----------------------------------------------------------------------------------

@@ -178,13 +178,9 @@ class ReclaimOps:
             first[0] = False
             return d
 
-        def run(fn, *args, **kw):
-            nonlocal state
-            state, rep = fn(state, *args, donate=step_donate(), **kw)
-            return rep
-
         if req.kind == "quota_cut":
-            run(self.set_quota, req.tenant, byte_quota=req.byte_quota)
+            state, _ = self.set_quota(state, req.tenant, byte_quota=req.byte_quota,
+                                      donate=step_donate())
         if pol.grow_no_admit and req.kind == "quota_cut":
             state, _ = self._run("set_growing", state, np.int32(req.tenant), np.bool_(True),
                                  donate=step_donate())
