@@ -10,6 +10,7 @@ blocks, the last one partly filled. The result satisfies `check_invariants`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import jax
 import numpy as np
@@ -42,6 +43,13 @@ class SyntheticSpec:
     pool_fill: float = 0.9
     pin_prefixes: bool = False
     seed: int = 0
+
+
+def _spec_version(config: StateConfig, spec: SyntheticSpec) -> np.ndarray:
+    """u32[2]: a version per config and spec (KVState.meta.version), never 0 (the empty
+    state's)."""
+    digest = hashlib.sha256(repr((config, spec)).encode()).digest()
+    return np.frombuffer(digest[:8], np.uint32) | np.uint32(1)
 
 
 def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
@@ -176,5 +184,6 @@ def build_state(config: StateConfig, spec: SyntheticSpec) -> KVState:
         growing=np.zeros(ntn, bool), preemptions=np.zeros(ntn, np.int32),
         **rebuild(c, hashed, block_h, block_salt, xp=np),  # the prefix index of the hashed blocks
         config_id=base.meta.config_id,
+        version=_spec_version(config, spec),  # a built state's history is its spec
     )
     return KVState.from_fields(init_pages(c), **arrays)

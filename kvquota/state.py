@@ -303,6 +303,11 @@ class StateMeta:
     metadata-only state of Qwen2.5-7B has the shapes of one of Qwen2.5-72B)."""
 
     config_id: jax.Array  # u32[2]  `config_id(config)` of the StateConfig that made the state
+    # u32[2]  which history of operations made the state: every jitted core folds its name and
+    # inputs into it (`kvquota.core.jit.next_version`), so two states share a version only if
+    # the same operations on the same inputs made them (forks of one state differ); a reclaim
+    # plan records it and apply_plan refuses any other. 0 for `init_state`.
+    version: jax.Array
 
 
 _GROUPS = {"blocks": Blocks, "free": FreeLists, "seqs": Sequences, "tenants": Tenants,
@@ -419,6 +424,7 @@ def init_state(config: StateConfig) -> KVState:
         preemptions=i32((t,)),
         **init_index(config),
         config_id=config_id(config),
+        version=np.zeros((2,), np.uint32),
     )
 
 

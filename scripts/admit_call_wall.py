@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 import kvquota as kq
-from kvquota import core
+from kvquota.core import admission
 from kvquota.sim.loadtest import LoadConfig, state_config
 
 SHAPES = ((64, 16384), (64, 4096), (16, 2048))
@@ -27,7 +27,7 @@ def main():
     if sys.argv[1:]:
         sys.exit(f"admit_call_wall.py takes no arguments (got {' '.join(sys.argv[1:])})")
     config = state_config(LoadConfig())
-    admit = core.compiled("admit", donate=True)
+    admit = admission.admit_core.jitted(donate=True)
     rng = np.random.default_rng(0)
     out = {}
     for rows, width in SHAPES:

@@ -6,7 +6,7 @@ it, included), and the floor of one device call on the state (`empty_call_ms`).
 
   python scripts/step_calls.py [STEPS [POLICY]]    # default: 11000 tiered
 
-It wraps the jit table (`kvquota.core.run`), the facade's read-only queries and the cost
+It wraps every jitted state core (`DonatingJit.__call__`), the ops' read-only queries and the cost
 executor's step to wait for and time them; what the replay computes is unchanged, but waiting
 for each call takes away the overlap of host work with the device's, so a step's wall here is an
 upper bound of the load test's. Run it with the compilation cache of the CLIs
@@ -21,15 +21,17 @@ import time
 import jax
 import numpy as np
 
-import kvquota.core
 import kvquota.sim.loadtest as lt
+from kvquota.core import compress, evict, release, tenants, tiers
+from kvquota.core.jit import DonatingJit
 from kvquota.serving import executors
 from kvquota.serving.scheduler import Scheduler
 
 import default_trace  # scripts/default_trace.py
 
-QUERIES = ("ledger", "compress_count", "evict_fresh_count", "evict_block_fresh_count",
-           "leaves_orphans", "own_count")
+# The read-only jitted queries the validating ops make (module, attribute).
+QUERIES = ((tenants, "ledger_view"), (compress, "_count"), (evict, "_fresh_count"),
+           (evict, "_fresh_block_count"), (release, "_leaves_orphans"), (tiers, "own_count"))
 
 
 def main():
@@ -48,10 +50,10 @@ def main():
             return out
         return call
 
-    original_run = kvquota.core.run
-    kvquota.core.run = lambda name, *a, **kw: timed(name, original_run)(name, *a, **kw)
-    for name in QUERIES:
-        setattr(kvquota.core, name, timed(name, getattr(kvquota.core, name)))
+    original_call = DonatingJit.__call__
+    DonatingJit.__call__ = lambda op, *a, **kw: timed(op.name, original_call)(op, *a, **kw)
+    for module, name in QUERIES:
+        setattr(module, name, timed(name, getattr(module, name)))
     executors._cost_step = timed("cost_step", executors._cost_step)
     original_step = Scheduler.step
 

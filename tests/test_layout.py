@@ -51,3 +51,35 @@ def test_one_donation_path():
             for node in ast.walk(ast.parse(p.read_text()))
             if isinstance(node, ast.FunctionDef) and "donated" in node.name]
     assert not defs, defs
+
+
+def test_the_allocator_is_one_class_of_one_line_delegations():
+    """No mixins, no logic in the facade: each public method returns one call to the op that
+    validates its inputs beside its jitted core (DESIGN.md §2)."""
+    assert kvquota.Allocator.__bases__ == (object,)
+    tree = ast.parse((ROOT / "kvquota" / "allocator.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Allocator")
+    methods = [f for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
+    assert len(methods) >= 30
+    for fn in methods:
+        body = [s for s in fn.body
+                if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        assert len(body) == 1 and isinstance(body[0], ast.Return), fn.name
+
+
+def test_every_core_is_a_named_donating_jit():
+    """The cores are module-level names a reader can follow (no string-keyed table), each built
+    by the one helper."""
+    import importlib
+    import pkgutil
+
+    from kvquota.core.jit import DonatingJit
+
+    cores = {}
+    for info in pkgutil.iter_modules([str(ROOT / "kvquota" / "core")]):
+        module = importlib.import_module(f"kvquota.core.{info.name}")
+        for attr, value in vars(module).items():
+            if isinstance(value, DonatingJit) and value.fn.__module__ == module.__name__:
+                cores[f"{info.name}.{attr}"] = value.name
+    assert len(cores) == 18, sorted(cores)
+    assert len(set(cores.values())) == len(cores)  # one version tag per core

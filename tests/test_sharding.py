@@ -20,7 +20,7 @@ from kvquota import sharding as ks
 COMMON = """
 import numpy as np, jax, jax.numpy as jnp
 import kvquota as kq
-import kvquota.core as core
+from kvquota.core.jit import DonatingJit
 from kvquota import sharding as ks
 from tests.kernels.cases import TOLERANCES
 TOL = TOLERANCES["float32"]
@@ -41,6 +41,9 @@ def wrong_shardings(state):
 def compare_states(a, b):
     a, b = jax.device_get(a), jax.device_get(b)
     for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b)):
+        if jax.tree_util.keystr(p) == ".meta.version":
+            continue  # folds in each op's inputs bit for bit: the recorded attention mass too,
+                      # which the two layouts give equal only within TOL
         if np.dtype(x.dtype).kind in "iub":
             np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(p))
         else:
@@ -170,20 +173,20 @@ def test_model_on_a_sharded_state_matches_one_device(multidevice):
 OPS = COMMON + """
 alloc = kq.Allocator(sc)
 records = []
-run_core = core.run
+run_core = DonatingJit.__call__
 
-def spy(name, config, state, *args, donate=False):
+def spy(op, config, state, *args, donate=False):
     # sharded states: the core compiled ahead of time, its HLO read, then run (one compile)
     if len(jax.tree_util.tree_leaves(state)[0].sharding.device_set) == 1:
-        return run_core(name, config, state, *args, donate=donate)
-    compiled = core.jit.compiled(name, donate).lower(config, state, *args).compile()
-    static = {i - 2 for i in core.jit._CORES[name][1]}  # positions past (config, state)
+        return run_core(op, config, state, *args, donate=donate)
+    compiled = op.jitted(donate).lower(config, state, *args).compile()
+    static = {i - 2 for i in op.static_argnums}  # positions past (config, state)
     out = compiled(state, *(a for i, a in enumerate(args) if i not in static))
-    records.append(dict(op=name, donate=bool(donate), wrong=wrong_shardings(out[0]),
+    records.append(dict(op=op.name, donate=bool(donate), wrong=wrong_shardings(out[0]),
                         collectives=ks.collectives(compiled.as_text())))
     return out
 
-core.run = spy
+DonatingJit.__call__ = spy
 
 def script(s):
     steps = []
@@ -263,7 +266,7 @@ def test_allocator_ops_keep_the_sharding_and_gather_nothing(multidevice, compare
     result = multidevice(f"COMPARE = {compare}\n" + OPS)
     ops = {r["op"] for r in result["records"]}
     assert {"admit", "append", "fork", "pin", "unpin", "compress", "offload", "restore",
-            "evict_tokens", "drop", "preempt", "recycle", "drop_cold"} <= ops, ops
+            "evict_tokens", "drop_sequences", "preempt", "recycle", "drop_cold"} <= ops, ops
     assert any(r["donate"] for r in result["records"])
     for r in result["records"]:
         assert r["collectives"] == [], r

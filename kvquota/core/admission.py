@@ -1,4 +1,5 @@
-"""Admission, append and fork: the cores that give sequences blocks, under both meters.
+"""Admission, append and fork: the cores that give sequences blocks, under both meters, each
+beside the facade check of its inputs.
 
 Admission and append decide sequentially over the batch (a `lax.scan` over B small counters), so
 row i sees the quota and pool use of rows < i and a refusal allocates nothing."""
@@ -6,6 +7,7 @@ row i sees the quota and pool use of rows < i and a refusal allocates nothing.""
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kvquota.codes import (
@@ -22,13 +24,17 @@ from kvquota.codes import (
 )
 from kvquota.core.cold import allocatable, revive_inputs, revivers, take_pool0
 from kvquota.core.index import index_blocks
+from kvquota.core.jit import donating_jit
 from kvquota.core.pages import copy_blocks
 from kvquota.core.prefix import chain_hashes, lookup
 from kvquota.core.scatter import after, charged_units, clip, oob
 from kvquota.hashing import block_hash, salt_root
 from kvquota.reports import AdmitReport, AppendReport, ForkReport
 from kvquota.sentinel import INVALID
+from kvquota.errors import (DuplicateIdError, InputShapeError, SequenceTooLongError,
+                            TokenIdError, UnknownTenantError)
 from kvquota.state import KVState, StateConfig
+from kvquota.validation import int_array, live_ids, tenant_id
 
 def _decide(config, state, tenant, valid, need_tokens, need_blocks, need_slot, seq_full,
             revive=None):
@@ -98,7 +104,8 @@ def _free_slots(state, ok):
     return jnp.where(ok, free[jnp.minimum(rank, b - 1)], INVALID).astype(jnp.int32)
 
 
-def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
+@donating_jit
+def admit_core(config: StateConfig, state: KVState, tenants, tokens, lengths):
     """Admit prompts: tenants i32[B] (INVALID = padding), tokens i32[B, Tmax], lengths i32[B]."""
     p, mb, nb = config.block_size, config.max_blocks_per_seq, config.total_blocks
     b, tmax = tokens.shape
@@ -202,7 +209,8 @@ def admit(config: StateConfig, state: KVState, tenants, tokens, lengths):
 
 
 # ---- append -----------------------------------------------------------------------------------
-def append(config: StateConfig, state: KVState, seq_ids, tokens):
+@donating_jit
+def append_core(config: StateConfig, state: KVState, seq_ids, tokens):
     """Append one decoded token to each sequence: seq_ids i32[B] (unique; INVALID = padding)."""
     p, mb, nb, ns = config.block_size, config.max_blocks_per_seq, config.total_blocks, config.max_seqs
     valid = seq_ids >= 0
@@ -268,7 +276,8 @@ def append(config: StateConfig, state: KVState, seq_ids, tokens):
 
 
 # ---- fork -------------------------------------------------------------------------------------
-def fork(config: StateConfig, state: KVState, seq_ids):
+@donating_jit
+def fork_core(config: StateConfig, state: KVState, seq_ids):
     """Fork each source sequence (i32[B], INVALID = padding) into a new slot of the same tenant.
 
     Full blocks are shared by reference; the partly filled last block is copied (token ids and,
@@ -329,3 +338,73 @@ def fork(config: StateConfig, state: KVState, seq_ids):
     state = s.update(**updates).replace(pages=copy_blocks(config, s.pages, oldb, newb, alloc))
     report = ForkReport(forked=ok, reason=reason, seq_id=slot, copied_from=oldb, copied_to=newb)
     return state, report
+
+
+# ---- the facade's checks ------------------------------------------------------------------------
+def admit(config: StateConfig, state: KVState, tenants, tokens, lengths, *, donate=False):
+    """Allocator.admit: shapes, tenants, lengths and prompt token ids checked, then admit_core."""
+    c = config
+    ten = int_array("tenants", tenants, 1)
+    tok = int_array("tokens", tokens, 2)
+    lens = int_array("lengths", lengths, 1)
+    b = ten.shape[0]
+    if b == 0 or tok.shape[0] != b or lens.shape[0] != b:
+        raise InputShapeError(
+            f"tenants {ten.shape}, tokens {tok.shape}, lengths {lens.shape}: need B >= 1 rows each")
+    if tok.shape[1] == 0:
+        raise InputShapeError("tokens has no columns: a prompt has at least one token")
+    if tok.shape[1] > c.max_tokens_per_seq:
+        raise SequenceTooLongError(
+            f"tokens has {tok.shape[1]} columns; a sequence holds at most "
+            f"{c.max_tokens_per_seq} = {c.max_blocks_per_seq} blocks x {c.block_size}")
+    real = ten != INVALID
+    bad = np.flatnonzero(real & ((ten < 0) | (ten >= c.num_tenants)))
+    if bad.size:
+        raise UnknownTenantError(f"tenants[{bad[0]}] = {ten[bad[0]]}: a tenant id is in "
+                                 f"[0, {c.num_tenants}), or {INVALID} for a padding row")
+    for t in np.unique(ten[real]):
+        tenant_id(c, state, t)
+    if (real & ((lens < 1) | (lens > tok.shape[1]))).any():
+        i = int(np.flatnonzero(real & ((lens < 1) | (lens > tok.shape[1])))[0])
+        raise TokenIdError(f"lengths[{i}] = {lens[i]} outside [1, {tok.shape[1]}]")
+    vocab = c.model.vocab_size
+    if not 0 <= tok.min() <= tok.max() < vocab:  # some id out of range: in a prompt?
+        in_prompt = real[:, None] & (np.arange(tok.shape[1])[None, :] < lens[:, None])
+        bad = np.argwhere(((tok < 0) | (tok >= vocab)) & in_prompt)
+        if len(bad):
+            i, j = (int(x) for x in bad[0])
+            raise TokenIdError(f"tokens[{i}, {j}] = {tok[i, j]}: prompt token ids must be "
+                               f"in [0, {vocab})")
+    return admit_core(c, state, ten, tok, np.where(real, lens, 0).astype(np.int32),
+                      donate=donate)
+
+
+def append(config: StateConfig, state: KVState, seq_ids, tokens, *, donate=False):
+    """Allocator.append: unique running ids, token ids in the vocabulary, tables not full."""
+    c = config
+    ids = int_array("seq_ids", seq_ids, 1)
+    tok = int_array("tokens", tokens, 1)
+    if ids.shape != tok.shape or ids.size == 0:
+        raise InputShapeError(f"seq_ids {ids.shape} and tokens {tok.shape} must be [B], B >= 1")
+    real_ids = live_ids(c, state, ids, "append")
+    if len(np.unique(real_ids)) != len(real_ids):
+        raise DuplicateIdError("append: a sequence appears twice in one call")
+    real = ids != INVALID
+    bad = np.flatnonzero(((tok < 0) | (tok >= c.model.vocab_size)) & real)
+    if bad.size:
+        raise TokenIdError(f"tokens[{bad[0]}] = {tok[bad[0]]}: token ids must be in "
+                           f"[0, {c.model.vocab_size})")
+    if real_ids.size and (np.asarray(state.seqs.seq_lens)[real_ids]
+                          >= c.max_tokens_per_seq).any():
+        raise SequenceTooLongError(
+            f"append: a sequence already holds {c.max_tokens_per_seq} tokens (table full)")
+    return append_core(c, state, ids, tok, donate=donate)
+
+
+def fork(config: StateConfig, state: KVState, seq_ids, *, donate=False):
+    """Allocator.fork: running ids (INVALID = padding)."""
+    ids = int_array("seq_ids", seq_ids, 1)
+    if ids.size == 0:
+        raise InputShapeError("seq_ids must have at least one row")
+    live_ids(config, state, ids, "fork")
+    return fork_core(config, state, ids, donate=donate)

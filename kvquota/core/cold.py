@@ -30,10 +30,13 @@ from jax import lax
 
 from kvquota.codes import INT32_MAX
 from kvquota.core.index import forget
+from kvquota.core.jit import donating_jit
 from kvquota.core.pages import scrub_blocks
 from kvquota.core.scatter import clip, oob
+from kvquota.errors import InvalidArgumentError
 from kvquota.sentinel import INVALID
 from kvquota.state import KVState, StateConfig
+from kvquota.validation import bucket, int_scalar
 
 
 def allocatable(config: StateConfig, state: KVState, xp=jnp):
@@ -271,7 +274,8 @@ class ColdReport:
         return int(self.dropped_blocks) * self.pool_bytes[0]
 
 
-def drop_cold(config: StateConfig, state: KVState, max_blocks, slots: int):
+@donating_jit(static_argnames=("slots",))
+def drop_cold_core(config: StateConfig, state: KVState, max_blocks, slots: int):
     """Push the `max_blocks` (i32[], <= cold_count) least recently cold blocks onto pool 0's
     stack, oldest deepest, clearing their cache entries. `slots` (static, >= max_blocks, <=
     num_blocks) sizes the selection."""
@@ -289,3 +293,16 @@ def drop_cold(config: StateConfig, state: KVState, max_blocks, slots: int):
     )
     return state, ColdReport(dropped_blocks=n, cold_blocks=state.free.cold_count,
                              pool_bytes=config.pool_bytes)
+
+
+def drop_cold(config: StateConfig, state: KVState, max_blocks=None, *, donate=False):
+    """Allocator.drop_cold: up to `max_blocks` (None: all) of the cold blocks."""
+    cold = int(np.asarray(state.free.cold_count))
+    n = cold
+    if max_blocks is not None:
+        m = int_scalar("max_blocks", max_blocks, InvalidArgumentError)
+        if m < 0:
+            raise InvalidArgumentError(f"max_blocks must be >= 0, got {m}")
+        n = min(m, cold)
+    slots = min(bucket(n), config.num_blocks)
+    return drop_cold_core(config, state, np.int32(n), slots, donate=donate)

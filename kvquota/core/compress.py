@@ -10,14 +10,26 @@ index for "oldest first"; accumulated attention mass for "coldest first").
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels.quantization import quantize_pages
+from kvquota.codes import SEQ_IDLE, SEQ_RUNNING
+from kvquota.core.cold import allocatable
+from kvquota.core.jit import donating_jit
 from kvquota.core.scatter import clip, oob
 from kvquota.core.tiers import own_blocks, relocate, seq_rows
+from kvquota.errors import InvalidArgumentError, PoolFullError, TierError
 from kvquota.reports import CompressReport
 from kvquota.state import KVState, StateConfig
+from kvquota.validation import int_scalar, seq_batch
+
+# Which eligible blocks are compressed first: "oldest" (lowest block index) or "coldest" (lowest
+# accumulated attention mass, `blocks.attn_mass`, as H2O scores tokens).
+COMPRESS_ORDERS = ("oldest", "coldest")
 
 
 def select(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent):
@@ -64,7 +76,9 @@ def _requantize(config: StateConfig, pool: int):
     return write
 
 
-def compress(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent, pool):
+@donating_jit(static_argnames=("pool",))
+def compress_core(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent,
+                  pool):
     """Compress the selected blocks of `seq_ids` (i32[B], unique, INVALID = padding) into
     compressed pool `pool` (static). The facade checked that the pool has room."""
     move = select(config, state, seq_ids, scores, limit, keep_recent)
@@ -82,3 +96,43 @@ def compress(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_r
         host_watermark=config.host_watermark,
     )
     return state, report
+
+
+_count = jax.jit(count, static_argnums=(0,))
+
+
+def compress(config: StateConfig, state: KVState, seq_ids, *, kv_format: str,
+             keep_recent: int = 32, policy: str = "oldest", max_blocks: Optional[int] = None,
+             donate=False):
+    """Allocator.compress: a configured format, the options, running or idle ids, and room in
+    the compressed pool for exactly the blocks `select` takes."""
+    c = config
+    names = [name for name, _ in c.compressed_pools]
+    if kv_format not in names:
+        raise TierError(f"compress: no compressed pool of format {kv_format!r} in this "
+                        f"config (compressed pools: {names or 'none'})")
+    pool = 1 + names.index(kv_format)
+    keep = int_scalar("keep_recent", keep_recent, InvalidArgumentError)
+    if keep < 0:
+        raise InvalidArgumentError(f"keep_recent must be >= 0, got {keep}")
+    if policy not in COMPRESS_ORDERS:
+        raise InvalidArgumentError(f"unknown compress policy {policy!r}; known: "
+                                   f"{', '.join(COMPRESS_ORDERS)}")
+    limit = c.max_blocks_per_seq if max_blocks is None else int_scalar(
+        "max_blocks", max_blocks, InvalidArgumentError)
+    if limit < 0:
+        raise InvalidArgumentError(f"max_blocks must be >= 0, got {limit}")
+    ids, _ = seq_batch(c, state, seq_ids, "compress", (SEQ_RUNNING, SEQ_IDLE))
+    if policy == "coldest":
+        tables = np.maximum(np.asarray(state.seqs.block_tables)[np.maximum(ids, 0)], 0)
+        scores = np.asarray(state.blocks.attn_mass[tables].sum(-1), np.float32)
+    else:  # "oldest": the block index is the score
+        scores = np.broadcast_to(np.arange(c.max_blocks_per_seq, dtype=np.float32),
+                                 (ids.size, c.max_blocks_per_seq))
+    args = (ids, scores, np.full(ids.size, limit, np.int32), np.int32(keep))
+    need = int(_count(c, state, *args))
+    room = int(allocatable(c, state, xp=np)[pool])
+    if need > room:
+        raise PoolFullError(f"compress: {need} blocks to compress, the {kv_format} pool has "
+                            f"{room} free")
+    return compress_core(c, state, *args, pool, donate=donate)

@@ -21,16 +21,23 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from kvquota.codes import SEQ_IDLE, SEQ_RUNNING
+from kvquota.core.cold import allocatable
 from kvquota.core.index import forget
+from kvquota.core.jit import donating_jit
 from kvquota.core.pages import copy_blocks
 from kvquota.core.prefix import chain_hashes
 from kvquota.core.release import heir_inputs, seq_rows, settle
 from kvquota.core.scatter import clip, oob
 from kvquota.core.tiers import own_blocks, pop_blocks
+from kvquota.errors import InputShapeError, InvalidArgumentError, PoolFullError, TierError
+from kvquota.policies import TokenView, get_policy
 from kvquota.reports import EvictReport
 from kvquota.sentinel import INVALID
 from kvquota.state import KVState, StateConfig
+from kvquota.validation import heirs_of_rows, int_scalar, seq_batch
 
 
 def plan_tokens(config: StateConfig, state: KVState, seq_ids, keep):
@@ -72,7 +79,8 @@ def fresh_count(config: StateConfig, state: KVState, seq_ids, keep):
     return plan_tokens(config, state, seq_ids, keep)["n_fresh"].astype(jnp.int32)
 
 
-def evict_tokens(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
+@donating_jit
+def evict_tokens_core(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
     """Keep exactly the tokens `keep` (bool[B, MB * P]) of `seq_ids` (i32[B], unique, INVALID =
     padding), compacted. `heir_rows` (the live rows' table entries, see `release.heir_inputs`)
     may inherit a shared block's charge."""
@@ -176,7 +184,8 @@ def fresh_block_count(config: StateConfig, state: KVState, seq_ids, keep):
     return pl["n_fresh"].astype(jnp.int32), pl["fresh_outside_pool0"]
 
 
-def evict_blocks(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
+@donating_jit
+def evict_blocks_core(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
     """Keep exactly the whole blocks `keep` (bool[B, MB]) of `seq_ids`, the table compacted.
     Own blocks keep their pages (no copy); only shared or pinned blocks after the first dropped
     one are copied on write (pool 0 only: the facade refuses the rest)."""
@@ -252,3 +261,72 @@ def _settle_and_report(config, state, pl, gone, heirs, evicted):
         host_watermark=config.host_watermark,
     )
     return state, report
+
+
+_fresh_count = jax.jit(fresh_count, static_argnums=(0,))
+_fresh_block_count = jax.jit(fresh_block_count, static_argnums=(0,))
+
+
+# ---- the facade's checks ------------------------------------------------------------------------
+def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, mode="token",
+          attention=None, donate=False, **options):
+    """Allocator.evict: the policy's keep mask computed on the host view, then room for the
+    copies on write checked by the core's own count."""
+    c = config
+    pol = get_policy(policy, **options)
+    ids, real = seq_batch(c, state, seq_ids, "evict", (SEQ_RUNNING, SEQ_IDLE))
+    keep = int_scalar("keep_tokens", keep_tokens, InvalidArgumentError)
+    if keep < 1:  # a running sequence holds at least one token (free it instead)
+        raise InvalidArgumentError(f"keep_tokens must be >= 1, got {keep}")
+    if mode not in ("token", "block"):
+        raise InvalidArgumentError(f"evict mode must be 'token' or 'block', got {mode!r}")
+    tables = np.asarray(state.seqs.block_tables)[np.maximum(ids, 0)]
+    tables = np.where((ids >= 0)[:, None], tables, INVALID)
+    if mode == "token" and (tables >= c.num_blocks).any():
+        raise TierError("evict: a sequence holds compressed blocks; token eviction rewrites "
+                        "pool-0 pages only (use mode='block')")
+    view = token_view(c, state, ids, tables, pol, attention)
+    if mode == "token":
+        mask = np.asarray(pol.keep_mask(view, np.full(ids.size, keep, np.int32)))
+        need = int(_fresh_count(c, state, ids, mask))
+    else:
+        mask = np.asarray(pol.block_keep_mask(
+            view, c.block_size, np.full(ids.size, max(1, keep // c.block_size), np.int32)))
+        need, outside = _fresh_block_count(c, state, ids, mask)
+        need = int(need)
+        if bool(outside):
+            raise TierError("evict: a shared or pinned compressed block would need a copy "
+                            "on write; copies are made in pool 0 only")
+    room = int(allocatable(c, state, xp=np)[0])
+    if need > room:
+        raise PoolFullError(f"evict: {need} blocks needed for copies on write, pool 0 has "
+                            f"{room} free")
+    core = evict_tokens_core if mode == "token" else evict_blocks_core
+    return core(c, state, ids, mask, heirs_of_rows(c, state, real), donate=donate)
+
+
+def token_view(config: StateConfig, state: KVState, ids, tables, policy, attention) -> TokenView:
+    """What an eviction policy reads, per cache index of rows `ids` (tables i32[B, MB]): mass,
+    and key norms / last attention when the policy needs them."""
+    c = config
+    width = c.max_tokens_per_seq
+    safe = np.maximum(tables, 0)
+    lengths = np.where(ids >= 0, np.asarray(state.seqs.seq_lens)[np.maximum(ids, 0)], 0)
+    mass = np.asarray(state.blocks.attn_mass[safe]).reshape(ids.size, width)
+    key_norm = last = None
+    if "key_norm" in policy.needs:
+        if not state.pages:
+            raise TierError(f"policy {policy.name!r} reads keys: this state has no pages")
+        k = state.pages[0].k[:, :, np.minimum(safe, c.num_blocks - 1)]  # [L, H, B, MB, P, D]
+        norm = jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=(0, 1, -1)))
+        key_norm = jnp.asarray(norm).reshape(ids.size, width)
+    if "last_attention" in policy.needs:
+        if attention is None:
+            raise InvalidArgumentError(f"policy {policy.name!r} needs attention= (the last "
+                                       "step's attention per cached token)")
+        last = np.asarray(attention, np.float32)
+        if last.shape != (ids.size, width):
+            raise InputShapeError(f"attention must be [{ids.size}, {width}], got {last.shape}")
+    return TokenView(lengths=jnp.asarray(lengths, jnp.int32), mass=jnp.asarray(mass),
+                     key_norm=key_norm, last_attention=None if last is None else
+                     jnp.asarray(last))

@@ -1,68 +1,99 @@
-"""The one jit table: every core compiled twice from one definition, plain and donating `state`.
+"""`donating_jit`: how every state operation is compiled, and the state version it stamps.
 
-`run(name, config, state, *args, donate=False)` is the single hand-off from the facade. Without
-donation (the default) the input state stays valid, which forks and "state unchanged on error"
-rely on; with `donate=True` XLA updates the large per-block arrays in place and the caller must
-not use the old state again (serving loops).
+Each facade module defines its cores at module level, beside the method that validates their
+inputs: `admit_core = donating_jit(admission.admit)`. The result compiles the core twice from one
+definition: plain (the input state stays valid, which forks and "state unchanged on error" rely
+on) and donating `state` (XLA updates the large per-block arrays in place; the caller must not use
+the old state again: serving loops). Both fold the operation into `state.meta.version`, so a
+reclaim plan can tell in O(1) whether the state it is applied to is the one it was made for.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import zlib
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from kvquota.core import (admission, cold, compress, evict, lifecycle, pins, release,
-                          statistics, tenants, tiers)
-
-# name -> (core, static argument positions besides the config at 0)
-_CORES = {
-    "admit": (admission.admit, ()),
-    "append": (admission.append, ()),
-    "fork": (admission.fork, ()),
-    "pin": (pins.pin, ()),
-    "unpin": (pins.unpin, ()),
-    "drop": (release.drop_sequences, (5, 6)),  # unpin_slots and cols size arrays
-    "set_tenant": (tenants.set_tenant, ()),
-    "offload": (tiers.offload, ()),
-    "restore": (tiers.restore, ()),
-    "record_mass": (statistics.record_mass, ()),
-    "compress": (compress.compress, (6,)),
-    "evict_tokens": (evict.evict_tokens, ()),
-    "evict_blocks": (evict.evict_blocks, ()),  # the target pool fixes its page layout
-    "drop_cold": (cold.drop_cold, (3,)),  # slots sizes the LRU selection
-    "set_status": (lifecycle.set_status, ()),
-    "preempt": (lifecycle.preempt, ()),
-    "recycle": (lifecycle.recycle, ()),
-    "set_growing": (lifecycle.set_growing, ()),
-}
+_GOLDEN = np.uint32(0x9E3779B9)
 
 
-def _variants(fn, extra_static):
-    statics = (0,) + tuple(extra_static)
-    plain = jax.jit(fn, static_argnums=statics)
-    donated = jax.jit(fn, static_argnums=statics, donate_argnums=(1,))
-    functools.update_wrapper(donated, fn)
-    return {False: plain, True: donated}
+def _mix(x):
+    """murmur3's 32-bit finalizer: every input bit moves every output bit (u32 arrays)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
 
 
-_TABLE = {name: _variants(fn, extra) for name, (fn, extra) in _CORES.items()}
-# Read-only queries (nothing to donate): the ledger view and the facade's room checks, which
-# count with the very rule the core applies.
-ledger = jax.jit(tenants.ledger, static_argnums=(0,))
-compress_count = jax.jit(compress.count, static_argnums=(0,))
-evict_fresh_count = jax.jit(evict.fresh_count, static_argnums=(0,))
-evict_block_fresh_count = jax.jit(evict.fresh_block_count, static_argnums=(0,))
-leaves_orphans = jax.jit(release.leaves_orphans, static_argnums=(0, 3))  # free's heirs needed?
-own_count = jax.jit(lambda config, state, seq_ids, pool: tiers.own_blocks(
-    config, state, *release.seq_rows(state, seq_ids), pool).sum(axis=1), static_argnums=(0, 3))
+def _words(leaf):
+    """A leaf's values as flat u32 words (bools and ints by value, floats by their bits)."""
+    x = jnp.asarray(leaf)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        x = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return x.astype(jnp.uint32).reshape(-1)
 
 
-def run(name: str, config, state, *args, donate: bool = False):
-    """Call core `name` as `core(config, state, *args) -> (state, report)`."""
-    return _TABLE[name][bool(donate)](config, state, *args)
+def next_version(version, name: str, args) -> jax.Array:
+    """u32[2]: `version` with the operation `name` and its inputs `args` folded in.
+
+    Each word of each input is mixed with its position, summed per input, and chained into two
+    independently seeded lanes, so a different operation, input or order gives another version
+    (with probability 1 - 2^-64). Costs O(input size), never O(state size)."""
+    lanes = []
+    for lane, seed in enumerate((zlib.crc32(name.encode()), zlib.adler32(name.encode()))):
+        h = _mix(version[lane] ^ jnp.uint32(seed))
+        for i, leaf in enumerate(jax.tree_util.tree_leaves(args)):
+            w = _words(leaf)
+            pos = jnp.arange(w.size, dtype=jnp.uint32) * _GOLDEN + jnp.uint32(i + 2 * lane + 1)
+            h = _mix(h + jnp.uint32(i + 1) * _GOLDEN + jnp.sum(_mix(w ^ _mix(pos)),
+                                                               dtype=jnp.uint32))
+        lanes.append(h)
+    return jnp.stack(lanes)
 
 
-def compiled(name: str, donate: bool = False):
-    """The jitted function itself (for benchmarks that lower it, or inspect its HLO)."""
-    return _TABLE[name][bool(donate)]
+class DonatingJit:
+    """A state core `core(config, state, *args) -> (state, report)` compiled plain and donating.
+
+    `config` and the names in `static_argnames` are static. Call it as `core(config, state, *args,
+    donate=False)`; `.fn` is the versioned core before jit, to fuse into a larger jitted step
+    (serving executors); `.jitted(donate)` is the compiled function itself (benchmarks lower it
+    and read its HLO); `.static_argnums` are the static positions, config's included."""
+
+    def __init__(self, core, static_argnames=()):
+        names = ("config",) + tuple(static_argnames)
+        params = list(inspect.signature(core).parameters)
+        self.name = core.__name__.removesuffix("_core")
+        self.static_argnums = tuple(params.index(n) for n in names)
+
+        @functools.wraps(core)
+        def versioned(config, state, *args, **kwargs):
+            new, report = core(config, state, *args, **kwargs)
+            meta = new.meta.replace(version=next_version(state.meta.version, self.name,
+                                                         (args, kwargs)))
+            return new.replace(meta=meta), report
+
+        self.fn = versioned
+        self._jitted = {donate: jax.jit(versioned, static_argnames=names,
+                                        donate_argnames=("state",) if donate else ())
+                        for donate in (False, True)}
+
+    def __call__(self, config, state, *args, donate: bool = False):
+        return self._jitted[bool(donate)](config, state, *args)
+
+    def jitted(self, donate: bool = False):
+        return self._jitted[bool(donate)]
+
+    def __repr__(self):
+        return f"donating_jit({self.name})"
+
+
+def donating_jit(core=None, *, static_argnames=()):
+    """`DonatingJit(core, static_argnames)`; also usable as a decorator with arguments."""
+    if core is None:
+        return functools.partial(DonatingJit, static_argnames=static_argnames)
+    return DonatingJit(core, static_argnames)

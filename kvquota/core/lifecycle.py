@@ -1,25 +1,32 @@
-"""Session lifecycle cores: idle <-> running, preemption (KV dropped, tokens archived, slot held),
-slot recycling, and the grow-no-admit flag."""
+"""Session lifecycle: idle <-> running, preemption (KV dropped, tokens archived, slot held),
+slot recycling, and the grow-no-admit flag; each core beside the facade check of its inputs."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
-from kvquota.codes import SEQ_FREE, SEQ_PREEMPTED
+from kvquota.codes import SEQ_FREE, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING
+from kvquota.core.cold import drop_cold
+from kvquota.core.jit import donating_jit
 from kvquota.core.release import drop_sequences
 from kvquota.core.scatter import clip, materialize, oob
+from kvquota.errors import InvalidArgumentError
 from kvquota.reports import PreemptReport
 from kvquota.sentinel import INVALID
+from kvquota.validation import bucket, heirs_of_rows, int_scalar, pad, seq_batch
 
 
-def set_status(config, state, seq_ids, status):
+@donating_jit
+def set_status_core(config, state, seq_ids, status):
     """Set the status (traced i8 scalar) of `seq_ids` (i32[B], INVALID = padding)."""
     rows = oob(seq_ids, seq_ids >= 0, config.max_seqs)
     return state.update(seq_status=state.seqs.seq_status.at[rows].set(
         status.astype(jnp.int8), mode="drop")), None
 
 
-def preempt(config, state, seq_rows, heir_rows):
+@donating_jit
+def preempt_core(config, state, seq_rows, heir_rows):
     """Preempt `seq_rows` (i32[K], unique, INVALID = padding): archive each one's cached token
     ids (cache order) and logical position, drop its references like `free`, and keep the slot
     as PREEMPTED with its tenant (counted in the tenant's `preemptions`) until recycled."""
@@ -52,7 +59,8 @@ def preempt(config, state, seq_rows, heir_rows):
                                 token_ids=archived, free=free)
 
 
-def recycle(config, state, seq_ids):
+@donating_jit
+def recycle_core(config, state, seq_ids):
     """Return PREEMPTED slots `seq_ids` (i32[B], INVALID = padding) to the free slots."""
     rows = oob(seq_ids, seq_ids >= 0, config.max_seqs)
     return state.update(
@@ -61,7 +69,49 @@ def recycle(config, state, seq_ids):
     ), None
 
 
-def set_growing(config, state, tenant, growing):
+@donating_jit
+def set_growing_core(config, state, tenant, growing):
     """Set tenant's grow-no-admit flag (traced scalars)."""
     return state.update(growing=state.tenants.growing.at[tenant].set(growing)), None
 
+
+
+# ---- the facade's checks ------------------------------------------------------------------------
+def set_idle(config, state, seq_ids, *, donate=False):
+    """Allocator.set_idle: RUNNING -> IDLE."""
+    ids, _ = seq_batch(config, state, seq_ids, "set_idle", (SEQ_RUNNING,))
+    return set_status_core(config, state, ids, np.int8(SEQ_IDLE), donate=donate)
+
+
+def resume(config, state, seq_ids, *, donate=False):
+    """Allocator.resume: IDLE -> RUNNING."""
+    ids, _ = seq_batch(config, state, seq_ids, "resume", (SEQ_IDLE,))
+    return set_status_core(config, state, ids, np.int8(SEQ_RUNNING), donate=donate)
+
+
+def preempt(config, state, seq_ids, *, donate=False):
+    """Allocator.preempt: running or idle sequences, each once."""
+    _, real = seq_batch(config, state, seq_ids, "preempt", (SEQ_RUNNING, SEQ_IDLE))
+    return preempt_core(config, state, pad(real, bucket(len(real))),
+                        heirs_of_rows(config, state, real), donate=donate)
+
+
+def rebalance(config, state, *, seq_ids=None, cold_blocks: int = 0, donate=False):
+    """Allocator.rebalance: recycle PREEMPTED slots (`seq_ids`, default all), then drop up to
+    `cold_blocks` cold cached blocks. Returns (state, what it moved)."""
+    cold = int_scalar("cold_blocks", cold_blocks, InvalidArgumentError)
+    if cold < 0:
+        raise InvalidArgumentError(f"cold_blocks must be >= 0, got {cold}")
+    if seq_ids is None:
+        rows = np.flatnonzero(np.asarray(state.seqs.seq_status) == SEQ_PREEMPTED).astype(np.int32)
+    else:
+        rows, _ = seq_batch(config, state, seq_ids, "rebalance", (SEQ_PREEMPTED,))
+        rows = rows[rows != INVALID]
+    moved = dict(recycled_slots=int(len(rows)), cold_blocks_dropped=0)
+    if len(rows):
+        state, _ = recycle_core(config, state, pad(rows, bucket(len(rows))), donate=donate)
+        donate = True
+    if cold:
+        state, rep = drop_cold(config, state, cold, donate=donate)
+        moved["cold_blocks_dropped"] = int(rep.dropped_blocks)
+    return state, moved

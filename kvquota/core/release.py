@@ -4,20 +4,27 @@ the prefix cache as cold blocks), charges whose payer let go pass to an heir."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-from kvquota.codes import INT32_MAX, SEQ_FREE
+from kvquota.codes import (INT32_MAX, SEQ_FREE, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING,
+                           SEQ_SUSPENDED)
 from kvquota.core.cold import stamp_cold
 from kvquota.core.index import forget
+from kvquota.core.jit import donating_jit
 from kvquota.core.pages import scrub_blocks
 from kvquota.core.scatter import after, clip, device_units, materialize, oob
+from kvquota.errors import DoubleFreeError, InputDtypeError, InputShapeError
 from kvquota.reports import FreeReport
 from kvquota.sentinel import INVALID
 from kvquota.state import pool_of
+from kvquota.validation import (bucket, heir_rows, heirs_of_rows, int_array, live_ids, pad,
+                                tenant_id)
 
 def heir_inputs(state, heir_rows):
     """Entries i32[S] and tenants i32[S] of the table entries that may inherit charges, from
-    `heir_rows` = (rows, cols) i32[S] (INVALID = padding; the facade's `_heir_rows`). None when
+    `heir_rows` = (rows, cols) i32[S] (INVALID = padding; `validation.heir_rows`). None when
     the caller knows there is no candidate: then no table row beyond the freed ones is read."""
     if heir_rows is None:
         return None
@@ -255,3 +262,55 @@ def unpin_all(config, state, tenant, slots):
         ].add(-1, mode="drop"),
     )
     return state, ids, ids
+
+
+drop_core = donating_jit(drop_sequences, static_argnames=("unpin_slots", "cols"))
+_leaves_orphans = jax.jit(leaves_orphans, static_argnums=(0, 3))
+
+
+# ---- the facade's checks ------------------------------------------------------------------------
+def table_cols(config, state, ids) -> int:
+    """Table columns holding every entry of sequences `ids` (a table holds exactly its first
+    ceil(len / P) entries): 16 x a power of 4, at most max_blocks_per_seq, so a free reads the
+    blocks its rows hold, not whole tables, in a few compiled sizes."""
+    p, cols = config.block_size, 16
+    held = int(np.max((np.asarray(state.seqs.seq_lens)[ids] + p - 1) // p, initial=0))
+    while cols < held:
+        cols *= 4
+    return min(cols, config.max_blocks_per_seq)
+
+
+def free(config, state, seq_ids, *, donate=False):
+    """Allocator.free: each id live (not free) and given once; heirs listed only when the free
+    orphans a shared block's charge (most frees do not: then no other row is read)."""
+    ids = int_array("seq_ids", seq_ids, 1)
+    if ids.size == 0:
+        raise InputShapeError("seq_ids must have at least one row")
+    real = live_ids(config, state, ids, "free", error=DoubleFreeError,
+                    allowed=(SEQ_RUNNING, SEQ_SUSPENDED, SEQ_IDLE, SEQ_PREEMPTED))
+    if len(np.unique(real)) != len(real):
+        raise DoubleFreeError("free: a sequence appears twice in one call")
+    rows, cols = pad(real, bucket(len(real))), table_cols(config, state, real)
+    heirs = None
+    if bool(_leaves_orphans(config, state, rows, cols)):
+        heirs = heirs_of_rows(config, state, real)
+    return drop_core(config, state, rows, heirs, None, 0, cols, donate=donate)
+
+
+def release_inputs(config, state, tenant, unpin=False):
+    """Host-side inputs of the jitted release: (tenant, its rows, heir rows, pin slots)."""
+    t = tenant_id(config, state, tenant)
+    rows = np.flatnonzero(np.asarray(state.seqs.seq_tenant) == t)
+    heirs = heir_rows(config, state, np.asarray(state.tenants.salt)[[t]], rows)
+    pinned = int(np.asarray(state.tenants.pinned_blocks)[t].sum()) if unpin else 0
+    slots = bucket(pinned) if pinned else 0
+    return t, pad(rows, bucket(len(rows))), heirs, slots
+
+
+def release_tenant(config, state, tenant, *, unpin=False, donate=False):
+    """Allocator.release_tenant: every sequence of the tenant dropped (and its pins, if asked)."""
+    if not isinstance(unpin, bool):
+        raise InputDtypeError(f"unpin must be a bool, got {unpin!r}")
+    t, rows, heirs, slots = release_inputs(config, state, tenant, unpin)
+    return drop_core(config, state, rows, heirs, np.int32(t) if slots else None, slots,
+                     donate=donate)

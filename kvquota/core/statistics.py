@@ -4,12 +4,17 @@ that "cold" (what compression and eviction policies take first) is measured, not
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
+from kvquota.core.jit import donating_jit
 from kvquota.core.scatter import clip, oob
+from kvquota.errors import DuplicateIdError, InputDtypeError, InputShapeError
 from kvquota.state import KVState, StateConfig
+from kvquota.validation import int_array, live_ids
 
 
-def record_mass(config: StateConfig, state: KVState, seq_ids, mass):
+@donating_jit
+def record_mass_core(config: StateConfig, state: KVState, seq_ids, mass):
     """Add mass f32[B, C] (column i = the token at cache index i of sequence seq_ids[b]; columns
     past the sequence's length are ignored) into `blocks.attn_mass`. seq_ids i32[B], unique,
     INVALID = padding. Returns (state, None)."""
@@ -25,3 +30,18 @@ def record_mass(config: StateConfig, state: KVState, seq_ids, mass):
     acc = state.blocks.attn_mass.at[blk, jnp.broadcast_to(i % p, (b, c))].add(
         jnp.where(live, mass.astype(jnp.float32), 0.0), mode="drop")
     return state.update(attn_mass=acc), None
+
+
+def record_attention(config: StateConfig, state: KVState, seq_ids, mass, *, donate=False):
+    """Allocator.record_attention: mass f32[B, C <= max tokens], finite, >= 0; ids running, once."""
+    ids = int_array("seq_ids", seq_ids, 1)
+    m = np.asarray(mass)
+    if m.ndim != 2 or m.shape[0] != ids.shape[0] or m.shape[1] > config.max_tokens_per_seq:
+        raise InputShapeError(f"mass must be [B={ids.shape[0]}, C <= "
+                              f"{config.max_tokens_per_seq}], got {m.shape}")
+    if not np.issubdtype(m.dtype, np.floating) or not (np.isfinite(m) & (m >= 0)).all():
+        raise InputDtypeError("mass must be finite, non-negative floats")
+    real = live_ids(config, state, ids, "record_attention")
+    if len(np.unique(real)) != len(real):
+        raise DuplicateIdError("record_attention: a sequence appears twice in one call")
+    return record_mass_core(config, state, ids, m.astype(np.float32), donate=donate)

@@ -1,16 +1,27 @@
-"""The tenant ledger: writing a tenant's row, and the ledger view recomputed from the tables."""
+"""The tenant ledger: registering a tenant, its quotas and lease (validated, then one jitted
+core), and the ledger view recomputed from the tables."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from kvquota.codes import INT32_MAX
 from kvquota.core.cold import allocatable
+from kvquota.core.jit import donating_jit
 from kvquota.core.scatter import charged_units
+from kvquota.errors import QuotaValueError, TenantExistsError
+from kvquota.hashing import group_salt, private_salt
 from kvquota.reports import Ledger, TenantReport
 from kvquota.state import KVState, StateConfig, pool_of
+from kvquota.validation import int_scalar, tenant_id, tenant_row
 
-def set_tenant(config: StateConfig, state: KVState, tenant, token_quota, byte_quota_units,
+
+@donating_jit
+def set_tenant_core(config: StateConfig, state: KVState, tenant, token_quota, byte_quota_units,
                lease_expiry, salt, growing):
     """Write one tenant's ledger settings (register, quota change, lease change): every
     setting is given, so a caller keeps what it does not change by passing the current value."""
@@ -30,6 +41,70 @@ def set_tenant(config: StateConfig, state: KVState, tenant, token_quota, byte_qu
         unit_bytes=config.unit_bytes,
     )
     return state, report
+
+
+def quota_units(config: StateConfig, byte_quota) -> int:
+    """A byte quota in whole byte units (a cap, so rounded down)."""
+    b = int_scalar("byte_quota", byte_quota)
+    if b < 0:
+        raise QuotaValueError(f"byte_quota must be >= 0, got {b}")
+    units = b // config.unit_bytes
+    if units > INT32_MAX:
+        raise QuotaValueError(f"byte_quota {b} exceeds the largest representable "
+                              f"{INT32_MAX * config.unit_bytes} B")
+    return units
+
+
+def nonneg(name: str, value, top: int = INT32_MAX) -> int:
+    """An integer setting in [0, top]."""
+    v = int_scalar(name, value)
+    if not 0 <= v <= top:
+        raise QuotaValueError(f"{name} must be in [0, {top}], got {v}")
+    return v
+
+
+def register_tenant(config: StateConfig, state: KVState, tenant, *, token_quota, byte_quota,
+                    lease_expiry=INT32_MAX, share_group: Optional[int] = None, donate=False):
+    """Allocator.register_tenant: a private salt unless `share_group` is given."""
+    t = tenant_id(config, state, tenant, registered=False)
+    tq = nonneg("token_quota", token_quota)
+    units = quota_units(config, byte_quota)
+    lease = nonneg("lease_expiry", lease_expiry)
+    if share_group is None:
+        salt = private_salt(t)
+    else:
+        salt = group_salt(nonneg("share_group", share_group, 2**31 - 1))
+    if np.asarray(state.tenants.registered)[t]:
+        raise TenantExistsError(f"tenant {t} is already registered")
+    return set_tenant_core(config, state, t, tq, units, lease, np.uint32(salt), np.bool_(False),
+                           donate=donate)
+
+
+def set_quota(config: StateConfig, state: KVState, tenant, *, token_quota=None, byte_quota=None,
+              donate=False):
+    """Allocator.set_quota: a new quota ends grow-no-admit; lease and salt are kept."""
+    t = tenant_id(config, state, tenant)
+    row = tenant_row(state, t)
+    tq = row["token_quota"] if token_quota is None else nonneg("token_quota", token_quota)
+    units = row["byte_quota"] if byte_quota is None else quota_units(config, byte_quota)
+    return set_tenant_core(config, state, t, tq, units, row["lease_expiry"], row["salt"],
+                           np.bool_(False), donate=donate)
+
+
+def set_lease(config: StateConfig, state: KVState, tenant, lease_expiry, *, donate=False):
+    """Allocator.set_lease: quotas, salt and the grow-no-admit flag are kept."""
+    t = tenant_id(config, state, tenant)
+    lease = nonneg("lease_expiry", lease_expiry)
+    row = tenant_row(state, t)
+    return set_tenant_core(config, state, t, row["token_quota"], row["byte_quota"], lease,
+                           row["salt"], row["growing"], donate=donate)
+
+
+def expired_tenants(config: StateConfig, state: KVState, step: int) -> np.ndarray:
+    """Registered tenants whose lease_expiry <= step."""
+    step = int_scalar("step", step)
+    return np.flatnonzero(np.asarray(state.tenants.registered)
+                          & (np.asarray(state.tenants.lease_expiry) <= step))
 
 
 # ---- ledger view ------------------------------------------------------------------------------
@@ -80,3 +155,6 @@ def ledger(config: StateConfig, state: KVState) -> Ledger:
         host_pool=config.host_pool,
         host_watermark=config.host_watermark,
     )
+
+
+ledger_view = jax.jit(ledger, static_argnums=(0,))

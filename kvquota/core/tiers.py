@@ -16,18 +16,24 @@ The host pool is read with host-placed indices and values cross memory spaces th
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from kvquota.codes import SEQ_RUNNING, SEQ_SUSPENDED
-from kvquota.core.cold import take_pool0
+from kvquota.codes import SEQ_IDLE, SEQ_RUNNING, SEQ_SUSPENDED
+from kvquota.core.cold import allocatable, take_pool0
 from kvquota.core.index import index_blocks
+from kvquota.core.jit import donating_jit
 from kvquota.core.release import seq_rows, settle
 from kvquota.core.scatter import clip, oob
+from kvquota.errors import PoolFullError, QuotaExceededError, TierError
 from kvquota.pages import to_memory
 from kvquota.reports import MoveReport
 from kvquota.sentinel import INVALID
 from kvquota.state import KVState, StateConfig, pool_of
+from kvquota.validation import bucket, pad, seq_batch
 
 
 def pop_blocks(config: StateConfig, state: KVState, take, pool: int):
@@ -151,11 +157,71 @@ def move_sequences(config: StateConfig, state: KVState, seq_ids, src_pool: int, 
     return state, report
 
 
-def offload(config: StateConfig, state: KVState, seq_ids):
+@donating_jit
+def offload_core(config: StateConfig, state: KVState, seq_ids):
     """Offload the own device blocks of running sequences to the host pool (SUSPENDED)."""
     return move_sequences(config, state, seq_ids, 0, config.host_pool, SEQ_SUSPENDED)
 
 
-def restore(config: StateConfig, state: KVState, seq_ids):
+@donating_jit
+def restore_core(config: StateConfig, state: KVState, seq_ids):
     """Bring suspended sequences' host blocks back into pool 0, bit-exact (RUNNING)."""
     return move_sequences(config, state, seq_ids, config.host_pool, 0, SEQ_RUNNING)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def own_count(config: StateConfig, state: KVState, seq_ids, pool: int):
+    """i32[B]: own blocks of each sequence in `pool`, by the rule the move cores apply (seq_ids
+    padded with INVALID to a power of two by the callers: one compile per size bucket)."""
+    return own_blocks(config, state, *seq_rows(state, seq_ids), pool).sum(axis=1)
+
+
+# ---- the facade's checks ------------------------------------------------------------------------
+def _moves(config: StateConfig, state: KVState, seq_ids, what: str, allowed):
+    """`seq_batch` for a move to or from the host pool, which must exist."""
+    if config.host_pool is None:
+        raise TierError(f"{what}: this config has no host pool (host_blocks=0)")
+    return seq_batch(config, state, seq_ids, what, allowed)
+
+
+def _move(core, config: StateConfig, state: KVState, rows, donate):
+    """A move core on `rows` padded with INVALID to a power of two (a reclaim suspends a
+    different number of sequences each time: one compile per size bucket, not per count); the
+    report's rows are the input's."""
+    state, report = core(config, state, pad(rows, bucket(len(rows))), donate=donate)
+    # Cut on the host: slicing the device array would compile a program per row count.
+    return state, report.replace(moved_blocks=np.asarray(report.moved_blocks)[:len(rows)])
+
+
+def offload(config: StateConfig, state: KVState, seq_ids, *, donate=False):
+    """Allocator.offload: running or idle sequences; room in the host pool for their own blocks."""
+    rows, real = _moves(config, state, seq_ids, "offload", (SEQ_RUNNING, SEQ_IDLE))
+    need = int(np.asarray(own_count(config, state, pad(real, bucket(len(real))), 0)).sum())
+    room = int(allocatable(config, state, xp=np)[config.host_pool])
+    if need > room:
+        raise PoolFullError(f"offload: {need} blocks to move, the host pool has {room} free")
+    return _move(offload_core, config, state, rows, donate)
+
+
+def restore(config: StateConfig, state: KVState, seq_ids, *, donate=False):
+    """Allocator.restore: suspended sequences; room in pool 0 and under each tenant's byte quota
+    (every device pool's charges count, as at admission; the blocks land in pool 0)."""
+    c = config
+    rows, real = _moves(c, state, seq_ids, "restore", (SEQ_SUSPENDED,))
+    per_row = np.asarray(own_count(c, state, pad(real, bucket(len(real))), c.host_pool))
+    per_row = per_row[:len(real)]  # padding rows own nothing
+    ten = np.asarray(state.seqs.seq_tenant)[real]
+    room = int(allocatable(c, state, xp=np)[0])
+    if int(per_row.sum()) > room:
+        raise PoolFullError(f"restore: {int(per_row.sum())} blocks to bring back, pool 0 has "
+                            f"{room} free")
+    charged = np.asarray(state.tenants.charged_blocks).astype(np.int64)
+    units = (charged * np.asarray(c.pool_units) * np.asarray(c.device_pools)).sum(axis=1)
+    quota = np.asarray(state.tenants.byte_quota).astype(np.int64)
+    for t in np.unique(ten):
+        after = units[t] + int(per_row[ten == t].sum()) * c.pool_units[0]
+        if after > quota[t]:
+            raise QuotaExceededError(
+                f"restore: tenant {int(t)} would hold {after * c.unit_bytes} B of device "
+                f"blocks, over its byte quota of {int(quota[t]) * c.unit_bytes} B")
+    return _move(restore_core, c, state, rows, donate)

@@ -6,7 +6,7 @@ A means answers four questions, which the planner and `apply_plan` ask of every 
 * `candidates(planner)`: the victim rows it may take, in the policy's victim order;
 * `take(planner, row)`: apply it to one row in the plan's host model (`HostModel`), so the plan
   states exact bytes; False (model unchanged) when the row cannot be taken;
-* `apply(alloc, state, plan, step, donate)`: the facade op that does it for real.
+* `apply(config, state, plan, step, donate)`: the validated op that does it for real.
 
 A step covers the rows taken in one facade call (`batched`), or one row (eviction, whose core
 judges own blocks per call). Drops settle their rows as one batch (`settle`), so the plan
@@ -30,6 +30,7 @@ from kvquota.codes import (
     SEQ_IDLE,
     SEQ_RUNNING,
 )
+from kvquota.core import compress, evict, lifecycle, release, tiers
 
 
 class Means:
@@ -55,8 +56,8 @@ class Means:
         """Bring the model to what the step's one call does to `rows` (most means: nothing);
         `start` is a copy of the model before the step when `settles_from_start`."""
 
-    def apply(self, alloc, state, plan, step, donate):
-        """(state, report) of the facade op that carries out `step` of `plan`."""
+    def apply(self, config, state, plan, step, donate):
+        """(state, report) of the validated op (`kvquota.core`) that carries out `step`."""
         raise NotImplementedError
 
     def archives(self, report) -> tuple:
@@ -79,8 +80,8 @@ class _Drop(Means):
         planner.m = start
         planner.m.drop(rows, victims=planner.victims)
 
-    def apply(self, alloc, state, plan, step, donate):
-        return alloc.preempt(state, np.asarray(step.seqs, np.int32), donate=donate)
+    def apply(self, config, state, plan, step, donate):
+        return lifecycle.preempt(config, state, np.asarray(step.seqs, np.int32), donate=donate)
 
     def archives(self, report):
         return tuple(report.archives())
@@ -130,8 +131,8 @@ class _Offload(Means):
         m.move(row, pos, c.host_pool)
         return True
 
-    def apply(self, alloc, state, plan, step, donate):
-        return alloc.offload(state, np.asarray(step.seqs, np.int32), donate=donate)
+    def apply(self, config, state, plan, step, donate):
+        return tiers.offload(config, state, np.asarray(step.seqs, np.int32), donate=donate)
 
 
 class OffloadIdle(_Offload):
@@ -173,12 +174,12 @@ class Compress(Means):
         m.move(row, pos, pool)
         return True
 
-    def apply(self, alloc, state, plan, step, donate):
+    def apply(self, config, state, plan, step, donate):
         pol = plan.policy
-        fmt = pol.compress_format or alloc.config.compressed_pools[0][0]
-        return alloc.compress(state, np.asarray(step.seqs, np.int32), kv_format=fmt,
-                              keep_recent=pol.compress_keep_recent, policy="coldest",
-                              donate=donate)
+        fmt = pol.compress_format or config.compressed_pools[0][0]
+        return compress.compress(config, state, np.asarray(step.seqs, np.int32), kv_format=fmt,
+                                 keep_recent=pol.compress_keep_recent, policy="coldest",
+                                 donate=donate)
 
 
 class Evict(Means):
@@ -211,10 +212,11 @@ class Evict(Means):
         m.drop([], entries=[(row, np.flatnonzero(dropped | fresh))], victims=planner.victims)
         return True
 
-    def apply(self, alloc, state, plan, step, donate):
+    def apply(self, config, state, plan, step, donate):
         pol = plan.policy
-        return alloc.evict(state, np.asarray(step.seqs, np.int32), policy=pol.evict_policy,
-                           keep_tokens=pol.evict_keep_tokens, mode="block", donate=donate)
+        return evict.evict(config, state, np.asarray(step.seqs, np.int32),
+                           policy=pol.evict_policy, keep_tokens=pol.evict_keep_tokens,
+                           mode="block", donate=donate)
 
 
 class Release(Means):
@@ -227,8 +229,9 @@ class Release(Means):
     def settle(self, planner, rows, start):
         planner.m.drop(rows, unpin_tenant=planner.victims[0], victims=planner.victims)
 
-    def apply(self, alloc, state, plan, step, donate):
-        return alloc.release_tenant(state, plan.request.tenant, unpin=True, donate=donate)
+    def apply(self, config, state, plan, step, donate):
+        return release.release_tenant(config, state, plan.request.tenant, unpin=True,
+                                      donate=donate)
 
 
 # ---- the registry --------------------------------------------------------------------------

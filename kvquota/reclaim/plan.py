@@ -214,7 +214,8 @@ class ReclaimPlan:
     (sum of their quota_bytes). shortfall_bytes: max(0, target - planned), never hidden.
     pinned_bytes_held / shared_bytes_held: the target's bytes that stay because pins hold them /
     because other tenants' sequences reference them (their charge passes to an heir or stays).
-    fingerprint: identifies the state the plan was made for (apply_plan refuses any other).
+    version: the version (`KVState.meta.version`) of the state the plan was made for;
+    apply_plan refuses any other.
     """
 
     request: ReclaimRequest
@@ -225,7 +226,7 @@ class ReclaimPlan:
     shortfall_bytes: int
     pinned_bytes_held: int
     shared_bytes_held: int
-    fingerprint: str = dataclasses.field(repr=False, default="")
+    version: tuple[int, ...] = dataclasses.field(repr=False, default=())
 
     @property
     def planned_bytes(self) -> int:

@@ -10,7 +10,6 @@ or pool-0 bytes made allocatable (make room).
 
 from __future__ import annotations
 
-import hashlib
 import types
 
 import jax
@@ -37,7 +36,7 @@ def host_view(state):
         seq_tenant=s.seq_tenant, seq_status=s.seq_status, birth=s.birth,
         registered=t.registered, byte_quota=t.byte_quota, lease_expiry=t.lease_expiry,
         salt=t.salt, charged_blocks=t.charged_blocks, pinned_blocks=t.pinned_blocks,
-        free_count=state.free.free_count))
+        free_count=state.free.free_count, version=state.meta.version))
     ns = types.SimpleNamespace
     return ns(blocks=ns(**{k: got[k] for k in ("ref_count", "pin_count", "payer", "payer_refs",
                                                "fill", "hashed")}),
@@ -45,17 +44,8 @@ def host_view(state):
                                              "seq_status", "birth")}),
               tenants=ns(**{k: got[k] for k in ("registered", "byte_quota", "lease_expiry",
                                                 "salt", "charged_blocks", "pinned_blocks")}),
-              free=ns(free_count=got["free_count"]))
-
-
-def fingerprint(host, capacity) -> str:
-    """Identifies the metadata a plan was made from (tables, statuses, charges, pins, free)."""
-    h = hashlib.blake2b(digest_size=16)
-    for a in (host.seqs.block_tables, host.seqs.seq_lens, host.seqs.seq_tenant,
-              host.seqs.seq_status, host.tenants.charged_blocks, host.tenants.pinned_blocks,
-              host.tenants.byte_quota, host.blocks.ref_count, host.blocks.pin_count, capacity):
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
+              free=ns(free_count=got["free_count"]),
+              version=tuple(int(v) for v in got["version"]))
 
 
 class Planner:

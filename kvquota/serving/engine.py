@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.models import ModelConfig
-from kvquota.core.statistics import record_mass
+from kvquota.core.statistics import record_mass_core
 from kvquota.errors import ContextTooLongError
 from kvquota.model.caches import ChunkMeta, PagedKV
 from kvquota.model.decoder import Decoder
@@ -72,7 +72,7 @@ def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_ne
     pool0 = pool0.replace(k=cache.k_pages, v=cache.v_pages)
     state = state.replace(pages=(pool0,) + state.pages[1:])
     if record is not None:  # the engine's own rows: unique, running (no facade validation)
-        state, _ = record_mass(record, state, seq_ids, mass[0])
+        state, _ = record_mass_core.fn(record, state, seq_ids, mass[0])
     return (state, logits[:, 0] if last_only else logits, *mass)
 
 

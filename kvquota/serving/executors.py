@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.models import ModelConfig
-from kvquota.core.admission import append as append_core
+from kvquota.core.admission import append_core
 from kvquota.core.scatter import clip
 from kvquota.codes import SEQ_FREE, SEQ_RUNNING
 from kvquota.errors import ConfigMismatchError, InvalidArgumentError, InvariantError
@@ -230,7 +230,7 @@ def _model_step(model, params, state, dec_seq, dec_tok, dec_key, pre_seq, pre_to
     at = clip(dec_seq)
     start = jnp.where(valid, state.seqs.seq_lens[at], 0)  # cache index of the appended token
     position = jnp.where(valid, state.seqs.positions[at], 0)
-    state, rep = append_core(config, state, dec_seq, dec_tok)
+    state, rep = append_core.fn(config, state, dec_seq, dec_tok)
     rows = jnp.where(rep.appended, dec_seq, INVALID)
     state, logits = _paged_forward(model, params, state, rows, dec_tok[:, None], start,
                                    rep.appended.astype(jnp.int32), position[:, None],
@@ -259,7 +259,7 @@ def cost_step_core(config, state, dec_seq, dec_tok, dec_key, pre_seq, pre_key, r
     """The cost model's step: append only, plus the table entries each row attends over per pool
     (the modelled KV read): ceil(cached / P) per row, those in pools 1.. from `row_pools` (the
     host mirror). O(batch) work. Returns (state, appended bool[Bd], i32 vector: `unpack_step`)."""
-    state, rep = append_core(config, state, dec_seq, dec_tok)
+    state, rep = append_core.fn(config, state, dec_seq, dec_tok)
     rows = jnp.concatenate([jnp.where(rep.appended, dec_seq, INVALID), pre_seq])
     lens = jnp.where(rows >= 0, state.seqs.seq_lens[clip(rows)], 0)
     entries = -(-lens // config.block_size)

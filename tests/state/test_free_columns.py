@@ -1,12 +1,13 @@
-"""A free reads only the table columns its rows hold (`Allocator._table_cols`): the same state
+"""A free reads only the table columns its rows hold (`release.table_cols`): the same state
 and report as reading every column, heirs and orphans included."""
 
 import dataclasses
 
 import numpy as np
 
-from kvquota import core
+from kvquota.core import release
 from kvquota.sentinel import INVALID
+from kvquota.validation import heir_rows
 from tests.state.common import TINY, fresh, leaves_equal, snapshot
 
 # 32 blocks per table, so a short sequence's 16 columns are a real cut of the table.
@@ -30,14 +31,14 @@ def test_free_of_a_payer_reads_its_columns_and_passes_the_charge_as_a_full_read_
     state, heir = _admit(alloc, state, 1, shared + list(range(30, 71)))  # 31 blocks
     alloc.check(state)
     rows = np.asarray([payer], np.int32)
-    cols = alloc._table_cols(state, rows)
-    assert cols == 16 and alloc._table_cols(state, np.asarray([heir], np.int32)) == 32
-    assert bool(core.leaves_orphans(WIDE, state, rows, cols))  # tenant 1 inherits the prefix
-    assert bool(core.leaves_orphans(WIDE, state, rows))
-    heirs = alloc._heir_rows(state, np.asarray(state.tenants.salt)[[0]], rows)
+    cols = release.table_cols(WIDE, state, rows)
+    assert cols == 16 and release.table_cols(WIDE, state, np.asarray([heir], np.int32)) == 32
+    assert bool(release.leaves_orphans(WIDE, state, rows, cols))  # tenant 1 inherits the prefix
+    assert bool(release.leaves_orphans(WIDE, state, rows))
+    heirs = heir_rows(WIDE, state, np.asarray(state.tenants.salt)[[0]], rows)
     before = snapshot(state)
-    full, full_rep = core.run("drop", WIDE, before, rows, heirs, None, 0)
-    cut, cut_rep = core.run("drop", WIDE, before, rows, heirs, None, 0, cols)
+    full, full_rep = release.drop_core(WIDE, before, rows, heirs, None, 0)
+    cut, cut_rep = release.drop_core(WIDE, before, rows, heirs, None, 0, cols)
     assert leaves_equal(full, cut) and leaves_equal(full_rep, cut_rep)
     assert int(cut_rep.transferred_blocks) == 10
     freed, rep = alloc.free(state, np.asarray([payer, INVALID], np.int32))

@@ -478,34 +478,34 @@ def _ints(x):
 
 
 # ---- donation: the index is updated in place -----------------------------------------------------
-@pytest.mark.parametrize("cold", [False, pytest.param(True, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("keep_cold", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["cold-off", "cold-on"])
-def test_donated_cores_update_the_index_in_place(cold):
+def test_donated_cores_update_the_index_in_place(keep_cold):
     """No whole-array copy of the index's slots ([2H]) nor of any per-block or LRU array ([NB],
     [N_0]) in the compiled donated admit, append, free and drop_cold, with cold blocks off or
     on: a per-op O(pool) copy would undo the index's point. (The cold-reuse path used to copy
     its LRU arrays through `lax.cond` branches on every allocation.)"""
-    from kvquota import core
+    from kvquota.core import admission, cold, release
 
     config = StateConfig(TINY_MODEL, num_blocks=4093, block_size=4, max_seqs=37,
                          max_blocks_per_seq=29, num_tenants=5, with_pages=False,
-                         keep_cold_blocks=cold)
+                         keep_cold_blocks=keep_cold)
     state = build_state(config, SyntheticSpec(num_seqs=30, num_groups=1, group_size=2,
                                               pool_fill=0.4))
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     heirs = (i32([2, 2, 3, 3]), i32([0, 1, 0, 1]))  # (rows, cols) of heir table entries
     calls = {
-        "admit": ("admit", (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
-        "append": ("append", (i32([0, 1]), i32([3, 4]))),
-        "free": ("drop", (i32([0, 1]), heirs, None, 0)),
-        "drop_cold": ("drop_cold", (np.int32(2), 2)),
+        "admit": (admission.admit_core, (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
+        "append": (admission.append_core, (i32([0, 1]), i32([3, 4]))),
+        "free": (release.drop_core, (i32([0, 1]), heirs, None, 0)),
+        "drop_cold": (cold.drop_cold_core, (np.int32(2), 2)),
     }
     sizes = sorted({2 * home_count(config), config.total_blocks, config.num_blocks})
     big = re.compile(r"= \w+\[(%s)[\],].*\bcopy\(" % "|".join(map(str, sizes)))
-    for name, (core_name, args) in calls.items():
-        if cold is False and name == "drop_cold":
+    for name, (op, args) in calls.items():
+        if keep_cold is False and name == "drop_cold":
             continue  # nothing is ever cold
-        fn = core.compiled(core_name, donate=True)
+        fn = op.jitted(donate=True)
         text = fn.lower(config, state, *args).compile().as_text()
         copies = [line.strip() for line in text.splitlines() if big.search(line)]
         assert not copies, (name, copies[:3])

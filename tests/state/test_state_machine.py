@@ -34,8 +34,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvquota import codes, core
+from kvquota import codes
 from kvquota import errors as E
+from kvquota.core import release
 from kvquota.allocator import Allocator
 from kvquota.invariants import recompute
 from kvquota.sentinel import INVALID
@@ -373,7 +374,7 @@ class KVMachine(RuleBasedStateMachine):
         STATS["frees"] += 1
 
     def _check_orphans(self, seqs):
-        """The free's pre-check (`core.leaves_orphans`: are heir entries needed?) against the
+        """The free's pre-check (`release.leaves_orphans`: are heir entries needed?) against the
         oracle: some block of the freed tables stays referenced and unpinned while its payer
         holds no reference of its own. A wrong False would lose an heir's charge."""
         m, drops, own = self.model, collections.Counter(), collections.Counter()
@@ -384,7 +385,7 @@ class KVMachine(RuleBasedStateMachine):
         want = any(m.ref[b] - drops[b] > 0 and m.pin[b] == 0 and m.prefs[b] - own[b] == 0
                    for b in drops)
         rows = np.asarray(seqs + [INVALID] * (4 - len(seqs)), np.int32)
-        assert bool(core.leaves_orphans(self.c, self.state, rows)) == want
+        assert bool(release.leaves_orphans(self.c, self.state, rows)) == want
         STATS["orphaning frees"] += want
 
     def _free(self, data, two, donate):

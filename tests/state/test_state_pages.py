@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvquota import core
+from kvquota.core import admission, pins, release, tenants
 from kvquota.core.pages import scrub_blocks
 from kvquota.pages import host_sharding, init_pages
 from tests.state.common import TINY, fresh, prompts
@@ -80,7 +80,10 @@ def test_scrub_zeroes_only_the_freed_blocks_of_each_pool():
         assert out[2].k.sharding.memory_kind == "pinned_host"
 
 
-def test_one_jit_table_serves_plain_and_donated_variants():
-    assert core.compiled("admit") is not core.compiled("admit", donate=True)
-    for name in ("admit", "append", "fork", "pin", "unpin", "drop", "set_tenant"):
-        assert callable(core.compiled(name)) and callable(core.compiled(name, donate=True))
+def test_donating_jit_builds_plain_and_donated_variants_of_each_core():
+    cores = (admission.admit_core, admission.append_core, admission.fork_core, pins.pin_core,
+             pins.unpin_core, release.drop_core, tenants.set_tenant_core)
+    for fn in cores:
+        assert fn.jitted() is not fn.jitted(donate=True), fn
+        assert callable(fn.jitted()) and callable(fn.jitted(donate=True)), fn
+    assert release.drop_core.static_argnums == (0, 5, 6)  # config, unpin_slots, cols

@@ -104,7 +104,7 @@ def test_donated_cores_update_in_place():
     copies the [S, MB] table once (it is not on the per-step path)."""
     import re
 
-    from kvquota import core
+    from kvquota.core import admission, pins, release
 
     config = StateConfig(get_model_config("tiny-qwen"), num_blocks=4093, block_size=4,
                          max_seqs=37, max_blocks_per_seq=29, num_tenants=5, with_pages=False)
@@ -113,13 +113,13 @@ def test_donated_cores_update_in_place():
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     heirs = (i32([2, 2, 3, 3]), i32([0, 1, 0, 1]))  # (rows, cols) of heir table entries
     calls = {
-        "admit": (core.compiled("admit", donate=True), (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
-        "append": (core.compiled("append", donate=True), (i32([0, 1]), i32([3, 4]))),
-        "pin": (core.compiled("pin", donate=True), (i32([0, 1]),)),
-        "unpin": (core.compiled("unpin", donate=True), (i32([0, 1]), heirs)),
-        "free": (core.compiled("drop", donate=True), (i32([0, 1]), heirs, None, 0)),
-        "free_16_columns": (core.compiled("drop", donate=True), (i32([0, 1]), heirs, None, 0, 16)),
-        "release_unpin": (core.compiled("drop", donate=True), (i32([0, 1]), None, np.int32(0), 4)),
+        "admit": (admission.admit_core.jitted(donate=True), (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
+        "append": (admission.append_core.jitted(donate=True), (i32([0, 1]), i32([3, 4]))),
+        "pin": (pins.pin_core.jitted(donate=True), (i32([0, 1]),)),
+        "unpin": (pins.unpin_core.jitted(donate=True), (i32([0, 1]), heirs)),
+        "free": (release.drop_core.jitted(donate=True), (i32([0, 1]), heirs, None, 0)),
+        "free_16_columns": (release.drop_core.jitted(donate=True), (i32([0, 1]), heirs, None, 0, 16)),
+        "release_unpin": (release.drop_core.jitted(donate=True), (i32([0, 1]), None, np.int32(0), 4)),
     }
     big = re.compile(r"= \w+\[(%d|37,29)[\],].*\bcopy\(" % config.total_blocks)
     for name, (fn, args) in calls.items():
@@ -135,7 +135,7 @@ def test_cold_compaction_loop_hoists_nothing_pool_sized():
     the cold blocks, which carries only the arrays it writes."""
     import re
 
-    from kvquota import core
+    from kvquota.core import admission, pins, release
 
     config = StateConfig(get_model_config("tiny-qwen"), num_blocks=4093, block_size=4,
                          max_seqs=37, max_blocks_per_seq=29, num_tenants=5, with_pages=False,
@@ -144,9 +144,9 @@ def test_cold_compaction_loop_hoists_nothing_pool_sized():
                                               pool_fill=0.4))
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     calls = {
-        "admit": (core.compiled("admit", donate=True), (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
-        "append": (core.compiled("append", donate=True), (i32([0, 1]), i32([3, 4]))),
-        "free": (core.compiled("drop", donate=True), (i32([0, 1]), None, None, 0)),
+        "admit": (admission.admit_core.jitted(donate=True), (i32([0, 1]), i32(np.ones((2, 9))), i32([9, 5]))),
+        "append": (admission.append_core.jitted(donate=True), (i32([0, 1]), i32([3, 4]))),
+        "free": (release.drop_core.jitted(donate=True), (i32([0, 1]), None, None, 0)),
     }
     # The pool-0-sized arrays a pop's trip into the cold blocks (`cold._take_cold`, a loop of
     # zero or one trip around the compaction's) writes: `oldest`'s ring and stamps, the chain
