@@ -181,17 +181,17 @@ class StateConfig:
     def layout(self, pool: int = 0) -> KVLayout:
         return KVLayout(self.model, self.pool_formats[pool], self.block_size)
 
-    @property
+    @functools.cached_property  # read in every room check and plan step
     def pool_bytes(self) -> tuple[int, ...]:
         """Bytes of one block in each pool (K and V, all layers and KV heads, scales included)."""
         return tuple(self.layout(p).bytes_per_block for p in range(self.num_pools))
 
-    @property
+    @functools.cached_property  # read in every room check and plan step
     def unit_bytes(self) -> int:
         """The byte unit of the int32 byte counters: gcd of the pools' bytes per block."""
         return math.gcd(*self.pool_bytes)
 
-    @property
+    @functools.cached_property  # read in every room check and plan step
     def pool_units(self) -> tuple[int, ...]:
         """Units per block of each pool."""
         return tuple(b // self.unit_bytes for b in self.pool_bytes)

@@ -48,7 +48,7 @@ def preempt_core(config, state, seq_rows, heir_rows):
     archived = jnp.full((k, mb * p), INVALID, jnp.int32).at[
         jnp.arange(k)[:, None], jnp.where(keep, dest, mb * p)].set(ids, mode="drop")
     position = jnp.where(valid, state.seqs.positions[rc], 0)
-    state, free = drop_sequences(config, state, seq_rows, heir_rows)
+    state, free = drop_sequences(config, state, seq_rows, heir_rows, reads=(fill,))
     rows = oob(seq_rows, valid, ns)
     state = state.update(
         seq_status=state.seqs.seq_status.at[rows].set(jnp.int8(SEQ_PREEMPTED), mode="drop"),

@@ -48,7 +48,9 @@ def settle(config, state, touched, heirs, reads=()):
     NB-sized.
     Repeated ids are resolved by letting every copy write its (negative) position into the
     block's `payer`, which is overwritten anyway for freed and orphaned blocks, and keeping the
-    copy that won. `reads` are earlier reads of `payer` the first write must wait for.
+    copy that won. `reads` are the caller's earlier reads of per-block arrays (payer, fill,
+    generation) that settle's writes must wait for: without that order XLA copies the whole
+    array to keep the old values (the donated-core HLO tests check it does not).
     """
     nb, ntn, npools = config.total_blocks, config.num_tenants, config.num_pools
     e = touched.shape[0]
@@ -119,7 +121,8 @@ def settle(config, state, touched, heirs, reads=()):
     inherited = zeros_t.at[oob(heir, moved, ntn)].add(units, mode="drop")
     over = (inherited > 0) & ((charged * device_units(config)[None, :]).sum(axis=1) > s.tenants.byte_quota)
     fi = oob(b, freed, nb)
-    pi = oob(b, pushed, nb)  # the freed blocks that leave the cache (all of them without cold)
+    pi = after(oob(b, pushed, nb), reads)  # freed blocks that leave the cache (all without
+    # cold cached blocks), written after the caller's reads
     updates = dict(
         payer=payer,
         payer_refs=payer_refs.at[fi].set(0, mode="drop"),
@@ -188,7 +191,7 @@ def leaves_orphans(config, state, seq_ids, cols=None):
 
 
 def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_slots=0,
-                   cols=None):
+                   cols=None, reads=()):
     """Free the sequences `seq_rows` (i32[K], unique, INVALID = padding): one reference dropped
     per block-table entry, read from the first `cols` columns (static: at least every row's
     ceil(len / P) blocks; None: all MB), so the work follows the blocks held. `heir_rows`
@@ -196,7 +199,8 @@ def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_
     entries that may inherit charges.
 
     With `unpin_tenant` (a traced i32 scalar) and `unpin_slots` > 0 (static: an upper bound on that
-    tenant's pinned blocks), also drops every pin on blocks charged to that tenant.
+    tenant's pinned blocks), also drops every pin on blocks charged to that tenant. `reads`: the
+    caller's earlier reads of per-block arrays (see `settle`).
     """
     nb, ns, ntn = config.total_blocks, config.max_seqs, config.num_tenants
     valid = seq_rows >= 0
@@ -224,7 +228,7 @@ def drop_sequences(config, state, seq_rows, heir_rows, unpin_tenant=None, unpin_
     tokens_released = jnp.zeros((ntn,), jnp.int32).at[oob(ten, valid, ntn)].add(lens, mode="drop")
     touched = entries.ravel()
     unpinned = jnp.int32(0)
-    reads = (payer_read,)
+    reads = (payer_read,) + tuple(reads)
     if unpin_tenant is not None and unpin_slots > 0:
         state, pinned, payer_mask = unpin_all(config, state, unpin_tenant, unpin_slots)
         touched = jnp.concatenate([touched, pinned])

@@ -102,6 +102,7 @@ def relocate(config: StateConfig, state: KVState, seq_ids, move, src_pool: int, 
     # evicted sequence's K/V sit at other positions than a prompt of its tokens would put them).
     sc = clip(seq_ids)
     target = (dst_pool == 0) & (state.seqs.positions[sc] == state.seqs.seq_lens[sc])[:, None]
+    prev_gen = jnp.where(prev_new >= 0, blk.generation[clip(prev_new)], 0)
     s = state
     state = s.update(
         ref_count=blk.ref_count.at[dst].set(1, mode="drop").at[old].set(0, mode="drop"),
@@ -114,15 +115,15 @@ def relocate(config: StateConfig, state: KVState, seq_ids, move, src_pool: int, 
         hashed=blk.hashed.at[dst].set((blk.fill[rc] == p) & target, mode="drop"),
         block_salt=blk.block_salt.at[dst].set(blk.block_salt[rc], mode="drop"),
         parent=blk.parent.at[relink].set(prev_new, mode="drop"),
-        parent_gen=blk.parent_gen.at[relink].set(
-            jnp.where(prev_new >= 0, blk.generation[clip(prev_new)], 0), mode="drop"),
+        parent_gen=blk.parent_gen.at[relink].set(prev_gen, mode="drop"),
         block_tables=s.seqs.block_tables.at[oob(seq_ids, valid, ns)].set(new, mode="drop"),
         charged_blocks=s.tenants.charged_blocks.at[oob(ten, valid, ntn), dst_pool].add(
             per_seq, mode="drop"),
     )
     if s.pages:
         state = state.replace(pages=new_pages(s.pages, rows, new, move))
-    state, rep = settle(config, state, jnp.where(move, rows, INVALID).ravel(), None)
+    state, rep = settle(config, state, jnp.where(move, rows, INVALID).ravel(), None,
+                        reads=(prev_gen,))
     if dst_pool == 0:  # the moved blocks that are lookup targets join the prefix index
         state = index_blocks(config, state, dst.ravel())
     return state, per_seq, rep

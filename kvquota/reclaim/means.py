@@ -93,9 +93,9 @@ class DropIdle(_Drop):
     name = "drop_idle"
 
     def candidates(self, planner):
-        status, ten = planner.host.seqs.seq_status, planner.host.seqs.seq_tenant
+        status, ten = planner.view.seqs.seq_status, planner.view.seqs.seq_tenant
         running = set(ten[status == SEQ_RUNNING].tolist())
-        lease = planner.host.tenants.lease_expiry
+        lease = planner.view.tenants.lease_expiry
         inactive = {t for t in planner.victims if t not in running
                     or (planner.now is not None and lease[t] <= planner.now)}
         return [r for r in planner.untouched((SEQ_IDLE,)) if ten[r] in inactive]
@@ -165,8 +165,8 @@ class Compress(Means):
     def take(self, planner, row):
         c, m, pool = planner.c, planner.m, planner.compress_pool
         pos = m.own(row, 0)
-        full = m.fill[m.tables[row, pos]] == c.block_size
-        lens = planner.host.seqs.seq_lens[row]
+        full = m.fill[m.table(row)[pos]] == c.block_size
+        lens = planner.view.seqs.seq_lens[row]
         cold = (pos + 1) * c.block_size <= lens - planner.policy.compress_keep_recent
         pos = pos[full & cold]
         if not len(pos) or len(pos) > m.free[pool]:
@@ -197,7 +197,7 @@ class Evict(Means):
         keep = planner.evict_masks.get(row)
         if keep is None:
             return False
-        e = m.tables[row]
+        e = m.table(row)
         live = e >= 0
         ec = np.where(live, e, 0)
         dropped = live & ~keep

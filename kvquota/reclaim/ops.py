@@ -1,6 +1,7 @@
 """plan_reclaim and apply_plan: the reclaim in one action, validated (`Allocator` delegates here).
 
-plan_reclaim reads the state's metadata once to the host and plans there (kvquota.reclaim.planner);
+plan_reclaim reads to the host the metadata the victims' blocks touch and plans there
+(kvquota.reclaim.planner);
 apply_plan runs each step through the validated ops in `kvquota.core` and measures what each step
 really returned from the state itself (charges and allocatable capacity before and after), so the
 report's bytes are observed, not copied from the plan — tests hold them equal. A plan records
@@ -36,7 +37,7 @@ from kvquota.reclaim.plan import (
     get_reclaim_policy,
 )
 from kvquota.reclaim.means import get_means
-from kvquota.reclaim.planner import Planner, host_view
+from kvquota.reclaim.planner import Planner, plan_view
 from kvquota.validation import int_scalar, tenant_id
 
 
@@ -60,27 +61,35 @@ def plan_reclaim(config, state, request: ReclaimRequest, policy="tiered", *,
     if pol.compress_format is not None and pol.compress_format not in dict(c.compressed_pools):
         raise TierError(f"policy {pol.name!r} compresses into {pol.compress_format!r}: this "
                         f"config has no such pool")
-    host = host_view(state)
-    capacity = _capacity(c, state)
-    dev_units = np.asarray([u if d else 0 for u, d in zip(c.pool_units, c.device_pools)])
     if request.kind == "make_room":
         need = int_scalar("bytes_needed", request.bytes_needed, QuotaValueError)
         if need < 0:
             raise QuotaValueError(f"bytes_needed must be >= 0, got {need}")
-        victims = [int(v) for v in np.flatnonzero(host.tenants.registered) if v != t]
+    elif request.kind == "quota_cut":
+        new_units = quota_units(c, request.byte_quota)
+
+    def victims_of(view):  # make room: every other registered tenant; else the request's
+        if request.kind == "make_room":
+            return [int(v) for v in np.flatnonzero(view.tenants.registered) if v != t]
+        return [t]
+
+    view = plan_view(c, state, victims_of)
+    victims = view.victims
+    capacity = _capacity(c, state)
+    dev_units = np.asarray([u if d else 0 for u, d in zip(c.pool_units, c.device_pools)])
+    if request.kind == "make_room":
         target = max(0, -(-need // c.pool_bytes[0]) - int(capacity[0]))  # pool-0 blocks
         unit = c.pool_bytes[0]
     else:
-        victims, unit = [t], c.unit_bytes
-        charged = int((host.tenants.charged_blocks[t] * dev_units).sum())
+        unit = c.unit_bytes
+        charged = int((view.tenants.charged_blocks[t] * dev_units).sum())
         if request.kind == "quota_cut":
-            new_units = quota_units(c, request.byte_quota)
             target = max(0, charged - new_units)
         else:
             target = charged
-    masks = _evict_masks(c, state, host, victims, pol) if (
+    masks = _evict_masks(c, state, view, victims, pol) if (
         pol.allow_evict and "evict" in pol.means) else {}
-    planner = Planner(c, host, capacity, request, pol, victims, target, now, masks)
+    planner = Planner(c, view, capacity, request, pol, victims, target, now, masks)
     steps, fates = planner.plan()
     pinned, shared = planner.held()
     gained = planner.progress() if request.kind != "lease_expiry" else target
@@ -88,13 +97,13 @@ def plan_reclaim(config, state, request: ReclaimRequest, policy="tiered", *,
                        steps=tuple(steps), fates=fates,
                        shortfall_bytes=max(0, target - gained) * unit,
                        pinned_bytes_held=pinned, shared_bytes_held=shared,
-                       version=host.version)
+                       version=view.version)
 
 
-def _evict_masks(config, state, host, victims, pol) -> dict:
+def _evict_masks(config, state, view, victims, pol) -> dict:
     """row -> bool[MB]: the whole blocks the eviction policy keeps (as `evict` chooses)."""
     c = config
-    s = host.seqs
+    s = view.seqs
     rows = np.flatnonzero(np.isin(s.seq_tenant, victims)
                           & np.isin(s.seq_status, (SEQ_RUNNING, SEQ_IDLE))).astype(np.int32)
     if not len(rows):
@@ -103,7 +112,7 @@ def _evict_masks(config, state, host, victims, pol) -> dict:
     if "last_attention" in scorer.needs:
         raise InvalidArgumentError(f"eviction policy {pol.evict_policy!r} needs the last "
                                    "step's attention, which a reclaim plan does not have")
-    tables = s.block_tables[rows]
+    tables = view.tables[view.slot[rows]]  # victims' rows are local rows of the view
     view = token_view(c, state, rows, tables, scorer, None)
     keep = max(1, pol.evict_keep_tokens // c.block_size)
     mask = np.asarray(scorer.block_keep_mask(view, c.block_size,

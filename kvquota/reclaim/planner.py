@@ -6,6 +6,10 @@ policy's victim order, one at a time, until the target is met (or all of them un
 are those of that call. Every victim sequence ends with one fate. Progress is counted in the
 unit the request asks for: device quota bytes released by the victims (quota cut, lease expiry)
 or pool-0 bytes made allocatable (make room).
+
+The plan reads only what the victims' blocks touch (`plan_view`: their rows, their possible
+heirs' rows, the blocks those reference or the victims pay for), so its cost follows the
+victims' size, not the pool's: at 2^20 blocks a tenant's tiered cut plans in milliseconds.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kvquota.codes import (
@@ -26,41 +31,97 @@ from kvquota.codes import (
 from kvquota.reclaim.means import RELEASE, Means, get_means
 from kvquota.reclaim.plan import PlanStep, SeqFate
 from kvquota.reclaim.simulate import HostModel
+from kvquota.sentinel import INVALID
+from kvquota.validation import bucket, pad
 
-def host_view(state):
-    """The metadata a plan reads, on the host (no pages, no per-token arrays)."""
-    b, s, t = state.blocks, state.seqs, state.tenants
+@jax.jit
+def _rows_of(tables, rows):
+    """tables[rows] (rows padded with INVALID: those give INVALID)."""
+    return jnp.where((rows >= 0)[:, None], tables[jnp.maximum(rows, 0)], INVALID)
+
+
+@jax.jit
+def _charged_to(payer, tenants, size_like):
+    """Ids of the blocks whose payer is in `tenants` (i32[K], padded with -2): i32[len(size_like)],
+    ascending, INVALID past the last."""
+    hit = jnp.isin(payer, tenants)
+    return jnp.nonzero(hit, size=size_like.shape[0], fill_value=INVALID)[0].astype(jnp.int32)
+
+
+@jax.jit
+def _blocks_at(blocks, ids):
+    """The per-block fields a plan reads, at `ids` (padded with INVALID: read as block 0)."""
+    at = jnp.maximum(ids, 0)
+    return {k: getattr(blocks, k)[at] for k in BLOCK_FIELDS}
+
+
+BLOCK_FIELDS = ("ref_count", "pin_count", "payer", "payer_refs", "fill", "hashed")
+
+
+def plan_view(config, state, victims_of) -> types.SimpleNamespace:
+    """The metadata a plan reads, on the host. The sequence and tenant columns whole ([S], [T]);
+    of the block tables only the *local rows* — the live rows of tenants sharing a victim's salt
+    (the victims' rows and every possible heir of their blocks); of the per-block arrays only the
+    blocks those rows reference or the victims pay for (pinned blocks held by no table too). A
+    plan so reads O(the victims' blocks), not O(pool): the HostModel works in local block ids
+    (`view.block_ids[i]` is local block i's id, `view.local_tables` the rows in local ids).
+
+    `victims_of(small)` picks the victim tenants from the small columns (`small.tenants`)."""
+    t, s = state.tenants, state.seqs
     got = jax.device_get(dict(
-        ref_count=b.ref_count, pin_count=b.pin_count, payer=b.payer, payer_refs=b.payer_refs,
-        fill=b.fill, hashed=b.hashed, block_tables=s.block_tables, seq_lens=s.seq_lens,
-        seq_tenant=s.seq_tenant, seq_status=s.seq_status, birth=s.birth,
+        seq_lens=s.seq_lens, seq_tenant=s.seq_tenant, seq_status=s.seq_status, birth=s.birth,
         registered=t.registered, byte_quota=t.byte_quota, lease_expiry=t.lease_expiry,
         salt=t.salt, charged_blocks=t.charged_blocks, pinned_blocks=t.pinned_blocks,
         free_count=state.free.free_count, version=state.meta.version))
     ns = types.SimpleNamespace
-    return ns(blocks=ns(**{k: got[k] for k in ("ref_count", "pin_count", "payer", "payer_refs",
-                                               "fill", "hashed")}),
-              seqs=ns(**{k: got[k] for k in ("block_tables", "seq_lens", "seq_tenant",
-                                             "seq_status", "birth")}),
+    view = ns(seqs=ns(**{k: got[k] for k in ("seq_lens", "seq_tenant", "seq_status", "birth")}),
               tenants=ns(**{k: got[k] for k in ("registered", "byte_quota", "lease_expiry",
                                                 "salt", "charged_blocks", "pinned_blocks")}),
               free=ns(free_count=got["free_count"]),
               version=tuple(int(v) for v in got["version"]))
+    victims = victims_of(view)
+    ten, salt = view.seqs.seq_tenant, view.tenants.salt
+    live = (view.seqs.seq_status != SEQ_FREE) & (ten >= 0)
+    salts = salt[np.asarray(victims, np.int64)] if len(victims) else np.zeros(0, salt.dtype)
+    rows = np.flatnonzero(live & np.isin(salt[np.maximum(ten, 0)], salts))
+    tables = np.asarray(_rows_of(s.block_tables, pad(rows, bucket(len(rows)))))[:len(rows)]
+    ids = np.unique(tables[tables >= 0]).astype(np.int32)
+    got = jax.device_get(_blocks_at(state.blocks, pad(ids, bucket(len(ids)))))
+    # The victims may pay for blocks no local row references (pinned ones, or a share whose
+    # referencers left without an heir): when the referenced blocks do not account for every
+    # charged one, one pass over the payer column finds them all.
+    charged = int(view.tenants.charged_blocks[victims].sum()) if len(victims) else 0
+    if charged > int(np.isin(got["payer"][:len(ids)], victims).sum()):
+        want = np.full(bucket(len(victims)), -2, np.int32)
+        want[:len(victims)] = victims
+        paid = np.asarray(_charged_to(state.blocks.payer, want,
+                                      np.zeros(bucket(charged), np.int8)))[:charged]
+        ids = np.union1d(ids, paid).astype(np.int32)
+        got = jax.device_get(_blocks_at(state.blocks, pad(ids, bucket(len(ids)))))
+    view.victims = list(victims)
+    view.block_ids = ids
+    view.blocks = ns(**{k: v[:len(ids)] for k, v in got.items()})
+    view.rows = rows  # global row ids of the local rows
+    view.slot = np.full(len(ten), -1, np.int64)
+    view.slot[rows] = np.arange(len(rows))
+    view.tables = tables  # [R, MB] global block ids
+    view.local_tables = np.where(tables >= 0, np.searchsorted(ids, tables), INVALID)
+    return view
 
 
 class Planner:
     """One plan: the model, the victims, the target, and the steps taken so far."""
 
-    def __init__(self, config, host, capacity, request, policy, victims, target_units, now,
+    def __init__(self, config, view, capacity, request, policy, victims, target_units, now,
                  evict_masks):
-        self.c, self.host, self.request, self.policy = config, host, request, policy
-        self.m = HostModel(config, host)
+        self.c, self.view, self.request, self.policy = config, view, request, policy
+        self.m = HostModel(config, view)
         self.m.free[:] = capacity  # allocatable capacity (free stacks + cold blocks)
         self.victims = victims
         self.target = target_units
         self.now = now
         self.evict_masks = evict_masks  # row -> bool[MB] kept blocks (the policy's choice)
-        s = host.seqs
+        s = view.seqs
         mine = np.isin(s.seq_tenant, victims) & (s.seq_status != SEQ_FREE)
         self.rows = [int(r) for r in self._order(np.flatnonzero(mine))]
         self.fate = {r: FATE_UNTOUCHED for r in self.rows}
@@ -76,7 +137,7 @@ class Planner:
         self.recorded = self.m.meters()  # (charged, free) as the last recorded step left them
 
     def _order(self, rows):
-        p, s = self.policy, self.host.seqs
+        p, s = self.policy, self.view.seqs
         if p.victim_order == "newest":
             key = -s.birth[rows].astype(np.int64)
         elif p.victim_order == "largest":
@@ -100,7 +161,7 @@ class Planner:
 
     def untouched(self, statuses, fates=(FATE_UNTOUCHED,)) -> list[int]:
         """Victim rows, in victim order, in one of `statuses` whose fate is one of `fates`."""
-        status = self.host.seqs.seq_status
+        status = self.view.seqs.seq_status
         return [r for r in self.rows if self.fate[r] in fates and status[r] in statuses]
 
     # ---- one step --------------------------------------------------------------------------
@@ -152,7 +213,7 @@ class Planner:
             self.add_step(RELEASE.name, list(self.rows))
         elif self.policy.grow_no_admit:  # takes nothing; a quota cut's survivors grow
             for r in self.rows if self.request.kind == "quota_cut" else ():
-                if self.host.seqs.seq_status[r] == SEQ_RUNNING:
+                if self.view.seqs.seq_status[r] == SEQ_RUNNING:
                     self.fate[r] = FATE_GROWING
         else:
             for name in self.policy.means:
@@ -162,14 +223,14 @@ class Planner:
         return self.steps, self.fates()
 
     def fates(self) -> tuple[SeqFate, ...]:
-        c, s = self.c, self.host.seqs
+        c, s = self.c, self.view.seqs
         out = []
         for r in sorted(self.rows):
             f = self.fate[r]
             tokens = int(s.seq_lens[r])
             resume_tokens = resume_bytes = 0
             if f == FATE_PREEMPTED:
-                table = s.block_tables[r]
+                table = self.view.local_tables[self.view.slot[r]]
                 usable = max(tokens - 1, 0) // c.block_size  # the last token is recomputed
                 blocks = table[:usable]
                 ok = self.m.still_cached(blocks) if len(blocks) else np.zeros(0, bool)
@@ -190,8 +251,8 @@ class Planner:
         units = np.asarray(c.pool_units, np.int64)[m.pool]
         pinned = int((units * (victim & (m.pin > 0))).sum())
         own_refs = np.zeros(len(m.ref), np.int64)
-        live = m.alive & np.isin(m.ten, self.victims)
-        ents = m.tables[live]
+        live = np.flatnonzero(m.alive & np.isin(m.ten, self.victims))
+        ents = m.tables[m.slot[live]]  # every victim row is a local row
         np.add.at(own_refs, ents[ents >= 0], 1)
         shared = victim & (m.pin == 0) & (m.ref > own_refs)
         held_shared = int((units * shared).sum()) + m.inherited_by_others

@@ -20,13 +20,18 @@ from kvquota.state import pool_of
 
 
 class HostModel:
-    """Mutable NumPy copy of the metadata a plan needs; one `drop`/`move` call per step."""
+    """Mutable NumPy copy of the metadata a plan needs; one `drop`/`move` call per step.
 
-    def __init__(self, config, host):
+    It holds what `planner.plan_view` read: the local rows (the victims' and their possible
+    heirs', `tables` [R, MB]; `slot` maps a sequence id to its local row) and the blocks they
+    reference or the victims pay for, in local ids (block i of the model is `view.block_ids[i]`).
+    Per-sequence columns are whole ([S]), indexed by sequence id."""
+
+    def __init__(self, config, view):
         c = config
         self.c = c
-        b, s, t = host.blocks, host.seqs, host.tenants
-        # Blocks a move creates get model-only ids past the real ones (NB + k, the arrays grown
+        b, s, t = view.blocks, view.seqs, view.tenants
+        # Blocks a move creates get model-only ids past the read ones (U + k, the arrays grown
         # as needed: `_reserve`): their charges and references are tracked like any other's.
         self.ref = b.ref_count.astype(np.int64)
         self.pin = b.pin_count.astype(np.int64)
@@ -34,15 +39,16 @@ class HostModel:
         self.prefs = b.payer_refs.astype(np.int64)
         self.fill = b.fill.astype(np.int64)
         self.hashed = np.array(b.hashed, bool)
-        self.pool = pool_of(c, np.arange(c.total_blocks), xp=np).astype(np.int64)
-        self.next_id = c.total_blocks
-        self.tables = s.block_tables.astype(np.int64).copy()
+        self.pool = pool_of(c, view.block_ids, xp=np).astype(np.int64)
+        self.next_id = len(view.block_ids)
+        self.rows, self.slot = view.rows, view.slot  # local row -> sequence id, and back
+        self.tables = view.local_tables.astype(np.int64)
         self.ten = s.seq_tenant.astype(np.int64).copy()
         self.lens = s.seq_lens.astype(np.int64).copy()
         self.alive = s.seq_status != SEQ_FREE
         self.salt = t.salt
         self.charged = t.charged_blocks.astype(np.int64).copy()  # [T, POOLS]
-        self.free = host.free.free_count.astype(np.int64).copy()
+        self.free = view.free.free_count.astype(np.int64).copy()
         self.units = np.asarray(c.pool_units, np.int64)
         self.device = np.asarray(c.device_pools)
         self.inherited_by_others = 0  # victims' device units whose charge passed to non-victims
@@ -55,7 +61,7 @@ class HostModel:
         size = len(self.ref)
         if self.next_id + n <= size:
             return
-        more = max(self.next_id + n - size, size)
+        more = max(self.next_id + n - size, size, 64)
         for name, value in self._BLOCK_FIELDS.items():
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.full(more, value, a.dtype)]))
@@ -78,9 +84,13 @@ class HostModel:
     def pool0_free(self) -> int:
         return int(self.free[0])
 
+    def table(self, row) -> np.ndarray:
+        """Sequence `row`'s table in model block ids (a view: writes go to the model)."""
+        return self.tables[self.slot[row]]
+
     def own(self, row, pool) -> np.ndarray:
         """Table positions of `row`'s own blocks in `pool` (the cores' rule)."""
-        e = self.tables[row]
+        e = self.table(row)
         ok = e >= 0
         ec = np.where(ok, e, 0)
         return np.flatnonzero(ok & (self.pool[ec] == pool) & (self.ref[ec] == 1)
@@ -91,22 +101,23 @@ class HostModel:
         """Drop references: every entry of `rows` (or the (row, positions) pairs of `entries`)
         plus, with `unpin_tenant`, every pin on its blocks; settle as one batch. Rows dropped
         whole leave the model's live rows."""
-        pairs = [(r, np.flatnonzero(self.tables[r] >= 0)) for r in rows] if entries is None \
+        pairs = [(r, np.flatnonzero(self.table(r) >= 0)) for r in rows] if entries is None \
             else entries
         touched = []
         tenants = set()
         for r, pos in pairs:
-            blocks = self.tables[r, pos]
+            blocks = self.table(r)[pos]
             t = self.ten[r]
             tenants.add(int(t))
             np.subtract.at(self.ref, blocks, 1)
             np.subtract.at(self.prefs, blocks[self.payer[blocks] == t], 1)
             touched.append(blocks)
-            self.tables[r, pos] = INVALID
+            self.table(r)[pos] = INVALID
         if entries is None:
             for r in rows:
                 self.alive[r] = False
-        if unpin_tenant is not None:
+        if unpin_tenant is not None:  # its blocks' heirs share its salt, live rows or not
+            tenants.add(int(unpin_tenant))
             pinned = np.flatnonzero((self.payer == unpin_tenant) & (self.pin > 0))
             self.pin[pinned] = 0
             touched.append(pinned)
@@ -128,24 +139,26 @@ class HostModel:
         heir_row = live & np.isin(self.salt[np.maximum(self.ten, 0)], list(salts))
         for r in batch_rows:
             heir_row[r] = False
+        heir_row = heir_row[self.rows]  # every possible heir is a local row
+        local_ten = self.ten[self.rows]
         for b in orphans:
             rows = np.flatnonzero(heir_row & (self.tables == b).any(axis=1))
             if not len(rows):
                 continue  # no heir: the payer keeps the charge
-            heir = int(self.ten[rows].min())
+            heir = int(local_ten[rows].min())
             old, p = int(self.payer[b]), self.pool[b]
             self.charged[old, p] -= 1
             self.charged[heir, p] += 1
             if old in victims and heir not in victims and self.device[p]:
                 self.inherited_by_others += int(self.units[p])
             self.payer[b] = heir
-            self.prefs[b] = int((self.tables[self.ten == heir] == b).sum())
+            self.prefs[b] = int((self.tables[local_ten == heir] == b).sum())
 
     def move(self, row, pos, dst_pool):
         """Move the own blocks at table positions `pos` of `row` to `dst_pool` (offload to host,
         or compress): the old blocks return to pool 0, new ones (model-only ids) are charged in
         dst_pool and take their place in the row's table."""
-        blocks = self.tables[row, pos]
+        blocks = self.table(row)[pos]
         t = self.ten[row]
         n = len(blocks)
         self._reserve(n)
@@ -160,7 +173,7 @@ class HostModel:
         self.free[0] += n
         self.charged[t, dst_pool] += n
         self.free[dst_pool] -= n
-        self.tables[row, pos] = new
+        self.table(row)[pos] = new
 
     def copy_on_write(self, row, n):
         """Eviction's copies of kept shared blocks: n fresh pool-0 blocks charged to the row."""

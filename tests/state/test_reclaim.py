@@ -118,6 +118,32 @@ def pinned_scenario():
     return alloc, s, (private, shared)
 
 
+def test_a_plan_reads_the_victims_pinned_blocks_that_no_table_holds():
+    """A plan reads only the victims' rows and blocks (`plan_view`); a block the victim pinned
+    and then freed its sequence of is in no table, yet charged and held: the view finds it by
+    its payer, and the plan counts it as held by pins, as apply measures."""
+    from kvquota.reclaim.planner import plan_view
+
+    alloc, s, (private, shared) = pinned_scenario()
+    s, _ = alloc.free(s, [1])  # seq 1 held the private pinned block
+    alloc.check(s)
+    assert private not in np.asarray(s.seqs.block_tables).ravel()
+    view = plan_view(CFG, s, lambda v: [0])
+    assert {private, shared} <= set(view.block_ids.tolist())
+    assert set(view.rows.tolist()) == {0, 2}  # tenant 0's live row and its heir's (same salt)
+    # What tenant 0 still pays for on the device after a cut to 0: the two pinned blocks, and
+    # under tiered the unpinned shared block (tenant 1 still reads it); preempting seq 0 instead
+    # passes that block's charge to tenant 1 (still counted as held by others).
+    left = {"tiered": 3 * BLOCK, "preempt-all": 2 * BLOCK}
+    for policy, device_bytes in left.items():
+        plan = alloc.plan_reclaim(s, ReclaimRequest.quota_cut(0, 0), policy)
+        assert (plan.pinned_bytes_held, plan.shared_bytes_held) == (2 * BLOCK, BLOCK), str(plan)
+        s2, rep = alloc.apply_plan(s, plan)
+        alloc.check(s2)
+        assert _figures(rep.steps) == _figures(plan.steps), str(plan)
+        assert alloc.ledger(s2).device_bytes[0] == device_bytes
+
+
 # Three policies run by default (between them every means but evict); the rest under `slow`.
 PINNED_DEFAULT = ("tiered", "small", "compress-small")
 

@@ -128,6 +128,36 @@ def test_donated_cores_update_in_place():
         assert not copies, (name, copies[:3])
 
 
+def test_donated_reclaim_cores_update_in_place():
+    """The same for the cores a reclaim plan applies (offload, restore, compress, preempt): a
+    read of `generation` (relinking moved blocks) or `fill` (archiving tokens) ordered before
+    settle's writes, so no per-block array is copied. (The eviction cores still copy a few:
+    their rewrite is issue 46's.)"""
+    import re
+
+    from kvquota.core import compress, lifecycle, tiers
+
+    config = StateConfig(get_model_config("tiny-qwen"), num_blocks=4093, block_size=4,
+                         max_seqs=37, max_blocks_per_seq=29, num_tenants=5, with_pages=False,
+                         host_blocks=1021, compressed_pools=(("int8", 1021),))
+    state = build_state(config, SyntheticSpec(num_seqs=30, num_groups=1, group_size=2,
+                                              pool_fill=0.4, pin_prefixes=True))
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    scores = np.tile(np.arange(29, dtype=np.float32), (2, 1))
+    calls = {
+        "offload": (tiers.offload_core, (i32([0, 1]),)),
+        "restore": (tiers.restore_core, (i32([0, 1]),)),
+        "compress": (compress.compress_core, (i32([0, 1]), scores, i32([5, 5]), np.int32(0), 1)),
+        "preempt": (lifecycle.preempt_core, (i32([0, 1]), None)),
+    }
+    big = re.compile(r"= \w+\[(%d|%d|37,29)[\],].*\bcopy\(" % (config.total_blocks,
+                                                            config.num_blocks))
+    for name, (core, args) in calls.items():
+        text = core.jitted(donate=True).lower(config, state, *args).compile().as_text()
+        copies = [line.strip() for line in text.splitlines() if big.search(line)]
+        assert not copies, (name, copies[:3])
+
+
 def test_cold_compaction_loop_hoists_nothing_pool_sized():
     """The cold ring's compaction (a loop of zero or one trip) must build its [N_0]-sized stamps
     and masks inside the trip: hoisted out of the loop as invariants, they were computed on
