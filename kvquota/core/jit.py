@@ -1,10 +1,10 @@
 """`donating_jit`: how every state operation is compiled, and the state version it stamps.
 
-Each facade module defines its cores at module level, beside the method that validates their
-inputs: `admit_core = donating_jit(admission.admit)`. The result compiles the core twice from one
-definition: plain (the input state stays valid, which forks and "state unchanged on error" rely
-on) and donating `state` (XLA updates the large per-block arrays in place; the caller must not use
-the old state again: serving loops). Both fold the operation into `state.meta.version`, so a
+Each module of `kvquota.core` defines its cores at module level, beside the function that
+validates their inputs: `@donating_jit def admit_core(config, state, ...)`. The result compiles
+the core twice from one definition: plain (the input state stays valid, which forks and "state
+unchanged on error" rely on) and donating `state` (XLA updates the large per-block arrays in
+place; the caller must not use the old state again: serving loops). Both fold the operation into `state.meta.version`, so a
 reclaim plan can tell in O(1) whether the state it is applied to is the one it was made for.
 """
 
@@ -43,7 +43,8 @@ def next_version(version, name: str, args) -> jax.Array:
 
     Each word of each input is mixed with its position, summed per input, and chained into two
     independently seeded lanes, so a different operation, input or order gives another version
-    (with probability 1 - 2^-64). Costs O(input size), never O(state size)."""
+    (64 bits of mixing: a collision is vanishingly unlikely, though not impossible, as for any
+    digest). Costs O(input size), never O(state size)."""
     lanes = []
     for lane, seed in enumerate((zlib.crc32(name.encode()), zlib.adler32(name.encode()))):
         h = _mix(version[lane] ^ jnp.uint32(seed))

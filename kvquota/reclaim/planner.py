@@ -34,6 +34,10 @@ from kvquota.reclaim.simulate import HostModel
 from kvquota.sentinel import INVALID
 from kvquota.validation import bucket, pad
 
+# The per-block fields a plan reads (at the blocks of its view only).
+BLOCK_FIELDS = ("ref_count", "pin_count", "payer", "payer_refs", "fill", "hashed")
+
+
 @jax.jit
 def _rows_of(tables, rows):
     """tables[rows] (rows padded with INVALID: those give INVALID)."""
@@ -53,9 +57,6 @@ def _blocks_at(blocks, ids):
     """The per-block fields a plan reads, at `ids` (padded with INVALID: read as block 0)."""
     at = jnp.maximum(ids, 0)
     return {k: getattr(blocks, k)[at] for k in BLOCK_FIELDS}
-
-
-BLOCK_FIELDS = ("ref_count", "pin_count", "payer", "payer_refs", "fill", "hashed")
 
 
 def plan_view(config, state, victims_of) -> types.SimpleNamespace:

@@ -275,7 +275,7 @@ class ColdReclaimMachine(ReclaimMachine):
     CONFIG = dataclasses.replace(TINY, keep_cold_blocks=True)
 
 
-FAST = settings(tiers.FAST, max_examples=12)  # ~1 min per machine on 2 cores
+FAST = settings(tiers.FAST, max_examples=12, stateful_step_count=40)  # ~1 min a machine, 2 cores
 FLOORS = {"reclaim quota_cut": 5, "reclaim lease_expiry": 5, "reclaim make_room": 5,
           "reclaim steps": 5, "preempts": 3, "idles": 2, "top-ups": 2,
           "pins": 5, "unpins": 2, "pinned private blocks": 5, "pinned shared blocks": 1,

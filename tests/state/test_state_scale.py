@@ -165,7 +165,7 @@ def test_cold_compaction_loop_hoists_nothing_pool_sized():
     the cold blocks, which carries only the arrays it writes."""
     import re
 
-    from kvquota.core import admission, pins, release
+    from kvquota.core import admission, release
 
     config = StateConfig(get_model_config("tiny-qwen"), num_blocks=4093, block_size=4,
                          max_seqs=37, max_blocks_per_seq=29, num_tenants=5, with_pages=False,
