@@ -224,6 +224,100 @@ def reclaim_vs_release(config, state, tenants, policy, kind):
     return seconds, plans, exact
 
 
+TOP_UP_BLOCKS = 64  # a top-up prompt of 64 full blocks (1,024 tokens)
+FILL_ROWS = 64  # filler prompts admitted per call while pool 0 is filled
+
+
+class TooFewSlots(RuntimeError):
+    """The state has too few free sequence slots to fill pool 0 (small pools: one sequence per
+    tenant at 2^13 blocks); the top-up latency is then not measured, and the summary says so."""
+
+
+def _admit_rows(alloc, state, tenant, blocks, rng):
+    """Admit one prompt of `blocks[i]` full blocks of fresh random tokens per row (no prefix
+    hits) for `tenant`, donated; returns (state, report)."""
+    width = alloc.config.max_tokens_per_seq
+    lengths = np.asarray(blocks, np.int32) * BLOCK_SIZE
+    tokens = rng.integers(0, alloc.config.model.vocab_size, (len(blocks), width)).astype(np.int32)
+    tenants = np.full(len(blocks), tenant, np.int32)
+    return alloc.admit(state, tenants, tokens, lengths, donate=True)
+
+
+def fill_pool0(alloc, state, tenant, leave, rng):
+    """Admit filler prompts for `tenant` until fewer than `leave` pool-0 blocks are allocatable
+    (the load a top-up meets when the pool is full)."""
+    mb = alloc.config.max_blocks_per_seq
+    while (free := int(alloc.allocatable_blocks(state)[0])) >= leave:
+        want = free - leave + 1  # blocks still to take
+        blocks = [min(mb, want - i * mb) for i in range(min(FILL_ROWS, -(-want // mb)))]
+        state, rep = _admit_rows(alloc, state, tenant, blocks, rng)
+        if not np.asarray(rep.admitted).any():
+            raise TooFewSlots(f"filling pool 0 ran out of sequence slots ({free} blocks free, "
+                              f"{rep.reasons()[0]})")
+    return state
+
+
+def top_up_latency(config, state, tenants, filler):
+    """Refused -> reclaim -> admitted: for each tenant in turn, pool 0 filled (by `filler`,
+    untimed), a top-up of TOP_UP_BLOCKS blocks refused (pool full), a tiered make-room plan made
+    and applied (donated), and the same top-up admitted. The first tenant is an untimed
+    warm-up. Returns seconds per timed tenant of each phase and the plans."""
+    alloc = kq.Allocator(config)
+    rng = np.random.default_rng(0)
+    x = _copy(state)
+    seconds = {"refused": [], "plan": [], "apply": [], "admitted": []}
+    plans = []
+    for i, t in enumerate(tenants):
+        x = fill_pool0(alloc, x, filler, TOP_UP_BLOCKS, rng)  # a reclaim frees whole sequences
+        jax.block_until_ready(x)
+        t0 = time.perf_counter()
+        x, rep = _admit_rows(alloc, x, t, [TOP_UP_BLOCKS], rng)
+        if rep.reasons()[0] == "no sequence slot":
+            raise TooFewSlots("no sequence slot left for the top-up")
+        if rep.reasons()[0] != "pool full":
+            raise RuntimeError(f"bench_reclaim: the top-up was not refused by the pool "
+                               f"({rep.reasons()[0]})")
+        t1 = time.perf_counter()
+        need = TOP_UP_BLOCKS * config.pool_bytes[0]
+        plan = alloc.plan_reclaim(x, kq.ReclaimRequest.make_room(t, need), "tiered")
+        t2 = time.perf_counter()
+        x, _ = alloc.apply_plan(x, plan, donate=True)
+        jax.block_until_ready(x)
+        t3 = time.perf_counter()
+        x, rep = _admit_rows(alloc, x, t, [TOP_UP_BLOCKS], rng)
+        jax.block_until_ready(x)
+        t4 = time.perf_counter()
+        if rep.reasons()[0] == "no sequence slot":  # suspended sequences keep their slots
+            raise TooFewSlots("no sequence slot left for the top-up after the reclaim")
+        if not bool(rep.admitted[0]):
+            raise RuntimeError(f"bench_reclaim: the top-up was refused after the reclaim "
+                               f"({rep.reasons()[0]})")
+        if i:
+            for name, a, b in (("refused", t0, t1), ("plan", t1, t2), ("apply", t2, t3),
+                               ("admitted", t3, t4)):
+                seconds[name].append(b - a)
+            plans.append(plan)
+    return seconds, plans
+
+
+def _top_up_summary(result, config, secs, plans, tenants, on_point):
+    """result["top_up"] and one point per timed top-up."""
+    total = [sum(parts) for parts in zip(*secs.values())]
+    for t, parts, pl in zip(tenants, zip(*secs.values()), plans):
+        on_point({"kind": "top_up", "blocks": config.num_blocks, "tenant": t,
+                  **{f"{k}_seconds": v for k, v in zip(secs, parts)}, "seconds": sum(parts),
+                  "steps": [st.means for st in pl.steps],
+                  "sequences": sum(len(st.seqs) for st in pl.steps)})
+    result["top_up"] = {
+        "policy": "tiered", "request": "make_room", "prompt_blocks": TOP_UP_BLOCKS,
+        "tenants": tenants, "seconds": statistics.median(total),
+        **{f"{k}_seconds": statistics.median(v) for k, v in secs.items()},
+        "steps": sorted({st.means for pl in plans for st in pl.steps}),
+        "timing": "a top-up refused on a full pool 0, a tiered make-room plan + apply (donated), "
+                  "the same top-up admitted; median over tenants after one untimed warm-up",
+    }
+
+
 def same_result(jitted_state, loop):
     s = jax.device_get(jitted_state)
     free = np.sort(s.free.free_list[: int(s.free.free_count[0])]).tolist()
@@ -320,6 +414,14 @@ def run(log2_blocks, scaling, repeats, seed, on_point=lambda point: None) -> dic
         }
     # The issue's figure: plan + apply of a tiered cut to half over a release of the same tenant.
     result["plan_apply_over_release"] = result["reclaim_actions"]["tiered_quota_cut"]["over_release"]
+    # Top-ups on a full pool, by released tenants (their slots are free), the filler the first.
+    released = tenants[:5]
+    try:
+        secs, plans = top_up_latency(config, final, released[1:], released[0])
+    except TooFewSlots as err:
+        result["top_up"] = {"skipped": str(err)}
+    else:
+        _top_up_summary(result, config, secs, plans, released[2:], on_point)
     del state, final
     for lg in scaling:
         if lg == log2_blocks:
@@ -389,6 +491,11 @@ def describe(summary: dict) -> str:
                      f" plan == apply: {a['plan_equals_apply']}")
     lines.append(f"plan_apply_over_release (tiered cut to half): "
                  f"{summary['plan_apply_over_release']:.1f}")
+    if "seconds" in summary.get("top_up", {}):
+        u = summary["top_up"]
+        lines.append(f"top-up of {u['prompt_blocks']} blocks on a full pool, refused -> tiered "
+                     f"make room -> admitted: {u['seconds'] * 1e3:.1f} ms (plan "
+                     f"{u['plan_seconds'] * 1e3:.1f}, apply {u['apply_seconds'] * 1e3:.1f})")
     return "\n".join(lines)
 
 
