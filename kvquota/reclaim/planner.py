@@ -14,6 +14,7 @@ victims' size, not the pool's: at 2^20 blocks a tenant's tiered cut plans in mil
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -44,12 +45,12 @@ def _rows_of(tables, rows):
     return jnp.where((rows >= 0)[:, None], tables[jnp.maximum(rows, 0)], INVALID)
 
 
-@jax.jit
-def _charged_to(payer, tenants, size_like):
-    """Ids of the blocks whose payer is in `tenants` (i32[K], padded with -2): i32[len(size_like)],
+@functools.partial(jax.jit, static_argnames="size")
+def _charged_to(payer, tenants, *, size: int):
+    """Ids of the blocks whose payer is in `tenants` (i32[K], padded with -2): i32[size],
     ascending, INVALID past the last."""
     hit = jnp.isin(payer, tenants)
-    return jnp.nonzero(hit, size=size_like.shape[0], fill_value=INVALID)[0].astype(jnp.int32)
+    return jnp.nonzero(hit, size=size, fill_value=INVALID)[0].astype(jnp.int32)
 
 
 @jax.jit
@@ -95,8 +96,7 @@ def plan_view(config, state, victims_of) -> types.SimpleNamespace:
     if charged > int(np.isin(got["payer"][:len(ids)], victims).sum()):
         want = np.full(bucket(len(victims)), -2, np.int32)
         want[:len(victims)] = victims
-        paid = np.asarray(_charged_to(state.blocks.payer, want,
-                                      np.zeros(bucket(charged), np.int8)))[:charged]
+        paid = np.asarray(_charged_to(state.blocks.payer, want, size=bucket(charged)))[:charged]
         ids = _distinct(config, np.concatenate([ids, paid]))
         got = jax.device_get(_blocks_at(state.blocks, pad(ids, bucket(len(ids)))))
     view.victims = list(victims)
