@@ -42,7 +42,11 @@ class QualityPreset:
       window: W, the newest context tokens every method keeps in full precision: the KIVI
         residual window of the quantizers, the recent window of the eviction policies and the
         observation window whose decode-step attention H2O, SnapKV and TOVA score on.
-      budgets: kept fraction of the context's tokens for the eviction policies.
+      budgets: kept fraction of the context's tokens for the eviction policies (each layer and
+        KV head keeps its own tokens: variant "oneshot").
+      global_budgets: budgets (of `budgets`) at which the eviction policies also run with one
+        kept set for the whole model, scored on the statistics summed over layers and heads
+        (variant "global": what this project did before per-head selection).
       methods: the methods run (names of METHODS).
       streaming: also run the quantizers compressing as the cache fills.
       passkey_probes: passkey probes (a key hidden in filler text, asked at the end).
@@ -64,6 +68,7 @@ class QualityPreset:
     block_size: int = 16
     window: int = 32
     budgets: tuple[float, ...] = (0.25, 0.5, 0.75)
+    global_budgets: tuple[float, ...] = (0.5,)
     methods: tuple[str, ...] = METHODS
     streaming: bool = True
     passkey_probes: int = 24
@@ -91,7 +96,10 @@ class QualityPreset:
         if unknown:
             raise UnknownPresetError(f"{self.name}: unknown methods {unknown}; known: "
                                      f"{', '.join(METHODS)}")
-        for what in ("budgets", "probe_budgets", "tiered_targets"):
+        if not set(self.global_budgets) <= set(self.budgets):
+            raise UnknownPresetError(f"{self.name}: global_budgets {self.global_budgets} must "
+                                     f"be among the budgets {self.budgets}")
+        for what in ("budgets", "global_budgets", "probe_budgets", "tiered_targets"):
             values = getattr(self, what)
             if any(not 0 < f < 1 for f in values) or list(values) != sorted(set(values)):
                 raise UnknownPresetError(f"{self.name}: {what} must be increasing fractions "

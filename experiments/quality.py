@@ -21,17 +21,19 @@ prefilled again for them, through the same code path as the shared prefill).
 Methods: fp8, int8, int4, kivi2, kivi4 (every full block outside the W-token full-precision
 window compressed; one row each, `budget_fraction` = cache bytes kept), streamingllm, h2o,
 snapkv, tova, knorm, random (token eviction to `budget` x C kept tokens, the window always
-kept) and tiered (the reclaim planner's tiered order under a byte-quota cut of each document's
+kept, each layer and KV head choosing its own tokens, as the papers and kvpress do) and tiered (the reclaim planner's tiered order under a byte-quota cut of each document's
 tenant to `budget` x its bytes; a preempted document is recomputed on resume: lossless).
 
 Metrics per document: delta_ppl = ppl_modified - ppl_full, delta_ppl_rel = delta / ppl_full (a
 fraction), KL(full || modified) of the next-token distributions (mean, p90, p99 over the T - 1
 predicted tokens), top-1 agreement, and the fraction of the full cache's attention over the first
-MASS_STEPS = 32 continuation tokens (decode-step mass) that fell on the tokens a method removed
-(`removed_mass`) or compressed (`compressed_mass`). Retrieval probes run on a second state: a
-pass key hidden at several depths of pydoc filler and asked for at the end, and a multi-turn
-chat whose first turn states a fact asked for in the last; a probe is retrieved when every
-answer token is the modified model's top-1. Bytes freed are each tenant's device bytes in the
+MASS_STEPS = 32 continuation tokens (decode-step mass, every layer and KV head) that fell on the
+tokens a method removed from that head (`removed_mass`) or compressed (`compressed_mass`).
+Retrieval probes run on a second state: a pass key hidden at several depths of pydoc filler and
+asked for at the end, and a multi-turn chat whose first turn states a fact asked for in the
+last; a probe is retrieved when every answer token is the modified model's top-1, and
+`answer_kept` is the share of (layer, KV head) pairs still holding every token of the answer
+where the context states it. Bytes freed are each tenant's device bytes in the
 ledger before minus after the means; means carry 95 % bootstrap intervals over documents.
 
 Output: a run directory (experiments/runs.py) with config.json, points.jsonl (one object per
@@ -60,6 +62,7 @@ from absl import flags
 
 import kvquota as kq
 from configs import quality as qc
+from kvquota.core.evict import token_view
 from experiments import cli, runs
 
 FLAGS = flags.FLAGS
@@ -70,6 +73,7 @@ KL_EDGES = np.linspace(-9.0, 2.0, 45)  # log10 KL bins of the distributions (0 a
 OUTPUT_FLAGS = ("runs_dir", "overwrite", "out", "out_dir", "json")  # where results go, not what
 PLOTS = ("pareto.png", "retrieval_depth.png", "kl_distributions.png")
 CSV_NAME = "quality.csv"
+VARIANTS = ("control", "oneshot", "global", "streaming")  # the order of tables and plots
 MASS_STEPS = 32  # continuation tokens whose full-cache attention prices what a method removed
 branch, extend = kq.serving.branch, kq.serving.extend
 
@@ -230,8 +234,9 @@ def chat_probes(tok, filler, preset: qc.QualityPreset) -> list[Item]:
 
 @dataclasses.dataclass(frozen=True)
 class Condition:
-    """One method at one budget: variant "control" (none), "oneshot" (after the prefill) or
-    "streaming" (as the cache fills). budget: kept-token fraction (eviction), byte-quota
+    """One method at one budget: variant "control" (none), "oneshot" (after the prefill; an
+    eviction chooses per layer and KV head), "global" (an eviction choosing one set for the whole
+    model) or "streaming" (as the cache fills). budget: kept-token fraction (eviction), byte-quota
     fraction (tiered), None (quantizers: one row each, their kept bytes measured)."""
 
     method: str
@@ -253,6 +258,8 @@ def conditions(preset: qc.QualityPreset, probes: bool) -> list[Condition]:
         elif m in qc.EVICT_METHODS:
             budgets = preset.probe_budgets if probes else preset.budgets
             out += [Condition(m, "oneshot", f) for f in budgets]
+            if not probes:
+                out += [Condition(m, "global", f) for f in preset.global_budgets]
         else:
             out += [Condition(m, "oneshot", f) for f in preset.tiered_targets]
     if preset.streaming and not probes:
@@ -385,7 +392,8 @@ class Bench:
         their sum is recorded into the real state (`Allocator.record_attention`), which
         then holds what W decode steps would have recorded, and the window's K/V come from the
         same chunked path as a streaming run's (so a streaming run with nothing to compress is
-        the shared prefill, bit for bit). Returns the last step's attention f32[n, width]."""
+        the shared prefill, bit for bit). Returns the last step's attention f32[n, L, Hkv,
+        width] (per layer and KV head, as eviction scores it)."""
         eng, p, w = self.engine, self.preset.block_size, self.preset.window
         eng.state, eng.last_mass = branch(self.empty), None
         n = len(self.items)
@@ -404,7 +412,9 @@ class Bench:
             hook(eng, self.seqs)
             return None
         main, eng.state = eng.state, observed
-        total = np.zeros((n, eng.state_config.max_tokens_per_seq), np.float64)
+        m = eng.config
+        total = np.zeros((n, m.num_layers, m.num_kv_heads, eng.state_config.max_tokens_per_seq),
+                         np.float64)
         for j in range(w):
             rep, _ = eng.decode(self.seqs, window[:, j])
             if not np.asarray(rep.appended).all():
@@ -419,7 +429,8 @@ class Bench:
     def prefill(self):
         """The shared prefill; then the reference continuation: its log-probabilities (kept on
         the device), nll and top-1, and (decode steps on another copy) the attention mass each
-        cached token receives over the first MASS_STEPS continuation tokens."""
+        cached token receives in each layer and KV head over the first MASS_STEPS continuation
+        tokens, as a share of all of it (`future_mass` [n, L, Hkv, width])."""
         self.last_mass = self.context_phase()
         self.base = self.engine.state
         self.alloc.check(self.base)
@@ -430,13 +441,16 @@ class Bench:
                                                           lengths=self.cont_len)]
         self.ref = self._host_metrics(self.ref_logp)
         eng.state = branch(self.base)
-        mass = np.zeros((len(self.items), self.engine.state_config.max_tokens_per_seq))
+        m = eng.config
+        mass = np.zeros((len(self.items), m.num_layers, m.num_kv_heads,
+                         self.engine.state_config.max_tokens_per_seq))
         for j in range(min(MASS_STEPS, int(self.cont_len.max()))):
             live = self.cont_len > j
             rows = np.where(live, self.seqs, kq.INVALID).astype(np.int32)
             eng.decode(rows, np.where(live, self.cont[:, j], 0).astype(np.int32))
-            mass += np.where(live[:, None], np.asarray(eng.last_mass, np.float64), 0.0)
-        self.future_mass = mass / mass.sum(axis=1, keepdims=True)
+            mass += np.where(live[:, None, None, None], np.asarray(eng.last_mass, np.float64),
+                             0.0)
+        self.future_mass = mass / mass.sum(axis=(1, 2, 3), keepdims=True)
         eng.state = None
 
     def _host_metrics(self, logps):
@@ -460,48 +474,53 @@ class Bench:
         the chats' differ from it by less than a block): one evict call for every row."""
         return max(int(round(fraction * self.nominal)), self.preset.window)
 
-    def _evict(self, method, fraction):
-        """Token eviction of every row to its budget; returns bool[n, width] kept (the policy's
-        own mask, recomputed from the inputs `evict` read and checked against the state)."""
+    def _evict(self, method, fraction, aggregate):
+        """Token eviction of every row to its budget, each layer and KV head choosing its own
+        tokens (`aggregate` "head") or one set for the whole model ("global"); returns
+        bool[n, L, Hkv, width] kept (the policy's own mask, recomputed from the inputs `evict`
+        read and checked against the state's pages)."""
         eng, w = self.engine, self.preset.window
         keep = self._keep_tokens(fraction)
         options = {"seed": self.preset.seed} if method == "random" else {}
-        kept = self._keep_mask(method, np.arange(len(self.items)), keep, options)
+        kept = self._keep_mask(method, keep, options, aggregate)
         eng.state, _ = self.alloc.evict(eng.state, self.seqs, policy=method, keep_tokens=keep,
                                         recent=min(w, keep), attention=self.last_mass,
-                                        donate=True, **options)
+                                        aggregate=aggregate, donate=True, **options)
         self._check_survivors(kept)
         return kept
 
-    def _keep_mask(self, method, rows, keep, options):
-        """The policy's keep mask for `rows` of the prefilled state, from the TokenView evict
-        builds (accumulated mass, key norms, the last step's attention)."""
+    def _keep_mask(self, method, keep, options, aggregate):
+        """The policy's keep mask of every row of the prefilled state, bool[n, L, Hkv, width],
+        from the TokenView evict builds (mass, key norms, the last step's attention)."""
         sc, state = self.engine.state_config, self.base
-        tables = np.asarray(state.seqs.block_tables)[self.seqs[rows]]
-        safe = np.maximum(tables, 0)
-        width = sc.max_tokens_per_seq
-        mass = jnp.asarray(np.asarray(state.blocks.attn_mass)[safe].reshape(len(rows), width))
+        tables = np.asarray(state.seqs.block_tables)[self.seqs]
         policy = kq.get_policy(method, recent=min(self.preset.window, keep), **options)
-        norm = None
-        if "key_norm" in policy.needs:  # as evict computes it: over layers, KV heads, channels
-            k = state.pages[0].k[:, :, np.minimum(safe, sc.num_blocks - 1)]
-            norm = jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=(0, 1, -1)))
-            norm = norm.reshape(len(rows), width)
-        view = kq.TokenView(lengths=jnp.asarray(self.ctx_len[rows]), mass=mass, key_norm=norm,
-                            last_attention=jnp.asarray(self.last_mass[rows], jnp.float32))
-        return np.asarray(policy.keep_mask(view, jnp.full((len(rows),), keep, jnp.int32)))
+        view = token_view(sc, state, self.seqs, tables, policy, self.last_mass, aggregate)
+        mask = np.asarray(policy.keep_mask(view, jnp.full((len(self.seqs),), keep, jnp.int32)))
+        m = sc.model
+        return np.broadcast_to(mask, (len(self.seqs), m.num_layers, m.num_kv_heads,
+                                      mask.shape[-1]))
 
     def _check_survivors(self, kept):
-        """The evicted state holds exactly the context tokens the mask keeps, in order."""
-        state = self.engine.state
-        tables = np.asarray(state.seqs.block_tables)[self.seqs]
-        lens = np.asarray(state.seqs.seq_lens)[self.seqs]
-        tokens = np.asarray(state.blocks.token_ids)[np.maximum(tables, 0)]
-        for r, it in enumerate(self.items):
-            held = tokens[r].reshape(-1)[:lens[r]]
-            want = np.asarray(it.context)[kept[r, :len(it.context)]]
-            if not np.array_equal(held, want):
-                raise RuntimeError(f"evict kept other tokens than its policy's mask (row {r})")
+        """In every layer and KV head the evicted state holds exactly the K and V of the context
+        tokens the mask keeps for that head, in order."""
+        p = self.preset.block_size
+        pages = [np.asarray(a) for a in (self.base.pages[0].k, self.base.pages[0].v)]
+        now = [np.asarray(a) for a in (self.engine.state.pages[0].k,
+                                        self.engine.state.pages[0].v)]
+        tables = [np.asarray(st.seqs.block_tables)[self.seqs] for st in (self.base,
+                                                                           self.engine.state)]
+        lens = np.asarray(self.engine.state.seqs.seq_lens)[self.seqs]
+        for r in range(len(self.items)):
+            i = np.arange(lens[r])
+            got = [a[:, :, tables[1][r, i // p], i % p] for a in now]  # [L, Hkv, n, D]
+            for layer, head in np.ndindex(*kept.shape[1:3]):
+                pos = np.flatnonzero(kept[r, layer, head])
+                want = [a[layer, head, tables[0][r, pos // p], pos % p] for a in pages]
+                if len(pos) != len(i) or not all(np.array_equal(g[layer, head], w_)
+                                                 for g, w_ in zip(got, want)):
+                    raise RuntimeError(f"evict kept other tokens than its policy's mask (row "
+                                       f"{r}, layer {layer}, head {head})")
 
     def _compressed(self) -> np.ndarray:
         """bool[n, width]: cache indices of each row held in a compressed block."""
@@ -515,7 +534,8 @@ class Bench:
         """One condition on every row: the means, the ledger, the continuation, the metrics."""
         eng, n = self.engine, len(self.items)
         width = eng.state_config.max_tokens_per_seq
-        removed = np.zeros((n, width), bool)
+        m = eng.config
+        removed = np.zeros((n, m.num_layers, m.num_kv_heads, width), bool)  # per head
         compressed = np.zeros((n, width), bool)
         fates = [None] * n
         hook = None
@@ -529,9 +549,10 @@ class Bench:
                 self._compress_hook(cond.method)(eng, self.seqs)
             compressed = self._compressed()
         elif cond.method in qc.EVICT_METHODS:
-            kept = self._evict(cond.method, cond.budget)
+            kept = self._evict(cond.method, cond.budget,
+                               "global" if cond.variant == "global" else "head")
             ctx = np.arange(width)[None, :] < self.ctx_len[:, None]
-            removed = ctx & ~kept
+            removed = ctx[:, None, None] & ~kept
         elif cond.method == "tiered":
             quotas = (cond.budget * self.base_bytes).astype(np.int64)
             eng.state, fates = tiered_means(self.alloc, eng.state, range(n), quotas,
@@ -570,8 +591,8 @@ class Bench:
                      budget_fraction=_r(budget if budget is not None else after / before),
                      byte_fraction_kept=_r(after / before), context_tokens=c,
                      cached_context_tokens=cached, fate=fate,
-                     removed_mass=_r(self.future_mass[r, :c][removed[:c]].sum()),
-                     compressed_mass=_r(self.future_mass[r, :c][compressed[:c]].sum()),
+                     removed_mass=_r(self.future_mass[r][removed].sum()),
+                     compressed_mass=_r(self.future_mass[r][..., compressed].sum()),
                      delta_ppl=None, delta_ppl_rel=None, kl_mean=None, kl_p90=None,
                      kl_p99=None, top1_agreement=None, retrieval_accuracy=None,
                      depth=it.depth, answer=it.answer)
@@ -591,8 +612,8 @@ class Bench:
         else:
             answer = self.targets[r, :t][m]
             point["retrieval_accuracy"] = float(np.array_equal(top1, answer))
-            if it.needle:  # was the answer, where the context states it, still cached?
-                point["answer_kept"] = _r(1.0 - removed[list(it.needle)].mean())
+            if it.needle:  # the share of (layer, head) pairs still holding the whole answer
+                point["answer_kept"] = _r(1.0 - removed[..., list(it.needle)].any(-1).mean())
         return point
 
 
@@ -686,12 +707,12 @@ CSV_COLUMNS = ("method", "variant", "budget", "budget_fraction", "budget_tokens"
 
 
 def ordered(metrics: dict) -> list[dict]:
-    """Every summary row: the control, then the methods in METHODS order, one-shot before
-    streaming, budgets increasing (metrics.json sorts its keys; tables and plots do not)."""
+    """Every summary row: the control, then the methods in METHODS order, variants in VARIANTS
+    order, budgets increasing (metrics.json sorts its keys; tables and plots do not)."""
     names = [qc.CONTROL, *qc.METHODS]
     rows = [r for rs in metrics["methods"].values() for r in rs]
     return sorted(rows, key=lambda r: (names.index(r["method"]) if r["method"] in names
-                                       else len(names), r["method"], r["variant"] == "streaming",
+                                       else len(names), r["method"], VARIANTS.index(r["variant"]),
                                        -1.0 if r["budget"] is None else r["budget"]))
 
 
@@ -712,7 +733,7 @@ def write_csv(metrics: dict, path: pathlib.Path) -> None:
 
 
 def _label(row) -> str:
-    return f"{row['method']} (streaming)" if row["variant"] == "streaming" else row["method"]
+    return row["method"] if row["variant"] == "oneshot" else f"{row['method']} ({row['variant']})"
 
 
 def method_colors(plt, metrics) -> dict:
@@ -741,22 +762,22 @@ def plot(points, metrics, out_dir) -> list[str]:
             if r["method"] != qc.CONTROL and r["delta_ppl_rel"] is not None]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     colors = method_colors(plt, metrics)
-    markers = {"oneshot": "o", "streaming": "s"}
+    markers = {"oneshot": "o", "global": "^", "streaming": "s"}
     written = []
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.2))
     for ax, key, title in ((axes[0], "delta_ppl_rel", "relative perplexity increase"),
                            (axes[1], "kl_mean", "mean KL(full || modified), nats")):
         every = []
         for m in methods:
-            for variant in ("oneshot", "streaming"):
+            for variant in markers:
                 mine = [r for r in rows if r["method"] == m and r["variant"] == variant]
                 if not mine:
                     continue
                 xy = [(r["bytes_freed"] / MiB, r[key]) for r in mine]
                 every += xy
                 ax.scatter(*zip(*xy), color=colors[m], marker=markers[variant], s=24,
-                           facecolors="none" if variant == "streaming" else colors[m],
-                           label=m if variant == "oneshot" else f"{m} (streaming)")
+                           facecolors=colors[m] if variant == "oneshot" else "none",
+                           label=_label(mine[0]))
                 front = pareto_front(xy)
                 ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front],
                         color=colors[m], lw=1, ls="-" if variant == "oneshot" else ":")
@@ -770,7 +791,7 @@ def plot(points, metrics, out_dir) -> list[str]:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle("quality lost vs bytes freed: means over documents; lines: each method's "
-                 "Pareto front (hollow: streaming)")
+                 "Pareto front (hollow: streaming, triangles: one kept set for the whole model)")
     fig.tight_layout()
     fig.savefig(out_dir / "pareto.png", dpi=120)
     plt.close(fig)

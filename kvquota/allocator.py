@@ -197,8 +197,9 @@ class Allocator:
     # ---- attention statistics --------------------------------------------------------------
     def record_attention(self, state, seq_ids, mass, *, donate=False) -> tuple[KVState, None]:
         """Accumulate the attention mass each cached token received (the kernels' `mass`
-        output: f32[B, C], column i = cache index i, summed over layers and KV heads) into the
-        state, where compression and eviction policies read it."""
+        output: f32[B, C], column i = cache index i, summed over layers and KV heads; or
+        f32[B, L, Hkv, C] per layer and KV head, which a state with pages also keeps per head)
+        into the state, where compression and eviction policies read it."""
         return self._op(statistics.record_attention, state, seq_ids, mass, donate=donate)
 
     # ---- tiers: lossless moves, lossy compression and eviction -------------------------------
@@ -225,19 +226,24 @@ class Allocator:
                         keep_recent=keep_recent, policy=policy, max_blocks=max_blocks,
                         donate=donate)
 
-    def evict(self, state, seq_ids, *, policy, keep_tokens, mode="token", attention=None,
-              donate=False, **options) -> tuple[KVState, EvictReport]:
+    def evict(self, state, seq_ids, *, policy, keep_tokens, mode="token", aggregate=None,
+              attention=None, donate=False, **options) -> tuple[KVState, EvictReport]:
         """Keep `keep_tokens` tokens of each running sequence — the ones the eviction policy
         scores highest (a registered name, with `options`, or an EvictionPolicy) — and drop the
         rest for good, compacting the survivors at their logical positions. Shared blocks are
-        copied on write. `attention` f32[B, C] is the last step's attention (TOVA needs it).
+        copied on write. `attention` is the last step's attention, f32[B, L, Hkv, C] (the
+        engine's `last_mass`; f32[B, C] summed, for a global choice): TOVA needs it.
 
         mode "token": survivors packed into full blocks (pool-0 pages rewritten; sequences
-        holding compressed blocks are refused). mode "block": the `keep_tokens // block_size` (at
-        least one) top-scored whole blocks stay, the table is compacted and own blocks are not
+        holding compressed blocks are refused); by default (`aggregate="head"`, a state with
+        pages) each layer and KV head keeps its own top tokens, the same number in each, as the
+        papers and kvpress choose; `aggregate="global"` keeps one set for the whole model.
+        mode "block": the `keep_tokens // block_size` (at least one) top-scored whole blocks
+        stay, one set for the whole model, the table is compacted and own blocks are not
         copied. keep_tokens >= 1: to drop everything, free the sequence."""
         return self._op(evict.evict, state, seq_ids, policy=policy, keep_tokens=keep_tokens,
-                        mode=mode, attention=attention, donate=donate, **options)
+                        mode=mode, aggregate=aggregate, attention=attention, donate=donate,
+                        **options)
 
     # ---- session lifecycle -------------------------------------------------------------------
     def set_idle(self, state, seq_ids, *, donate=False):

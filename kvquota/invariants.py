@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from kvquota.errors import InvariantError
-from kvquota.sentinel import INVALID
+from kvquota.sentinel import INVALID, PER_HEAD_TOKEN
 from kvquota.codes import SEQ_FREE, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING, SEQ_SUSPENDED
 from kvquota.hashing import block_hash, salt_root
 from kvquota.prefix_index import EMPTY, TOMB, home, home_count, max_occupied
@@ -190,6 +190,12 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     _flag(problems, "attention mass past a block's fill or negative",
           ((np.arange(p)[None, :] >= st.blocks.fill[:, None]) & (st.blocks.attn_mass != 0)).any(1)
           | (st.blocks.attn_mass < 0).any(1) | ~np.isfinite(st.blocks.attn_mass).all(1))
+    head_mass = st.blocks.head_mass.reshape(len(held), p, -1)  # [NB, P, L * Hkv] (or 0 wide)
+    _flag(problems, "free or cold block with per-head attention mass",
+          ~held & (head_mass != 0).any((1, 2)))
+    _flag(problems, "per-head attention mass past a block's fill or negative",
+          ((np.arange(p)[None, :] >= st.blocks.fill[:, None]) & (head_mass != 0).any(2)).any(1)
+          | (head_mass < 0).any((1, 2)) | ~np.isfinite(head_mass).all((1, 2)))
     if check_pages and config.scrub_on_free:
         for pool, pages in enumerate(st.pages):
             dirty = np.zeros(config.pool_sizes[pool], bool)
@@ -222,8 +228,9 @@ def check_invariants(config: StateConfig, state: KVState, *, check_pages: bool =
     _diff(problems, "fill of referenced blocks", st.blocks.fill[ent_blk], exp_fill[ents_ok])
     j = np.arange(p)[None, :]
     _flag(problems, "held block fill outside [1, P]", held & ((st.blocks.fill < 1) | (st.blocks.fill > p)))
+    named = (st.blocks.token_ids >= 0) | (st.blocks.token_ids == PER_HEAD_TOKEN)
     _flag(problems, "token ids inconsistent with fill",
-          held & ((j < st.blocks.fill[:, None]) != (st.blocks.token_ids >= 0)).any(1))
+          held & ((j < st.blocks.fill[:, None]) != named).any(1))
 
     # Prefix-cache chain: full blocks hashed with their chain value, parents consistent.
     full = ents_ok & (exp_fill == p)

@@ -8,6 +8,11 @@ import jax.numpy as jnp
 
 INVALID = -1
 
+# The token id of a slot of a block compacted per layer and KV head (`Allocator.evict`'s default
+# on a state with pages) whose heads keep different tokens: no one token id names the slot. Such
+# a sequence cannot be recomputed from its token ids (admission refuses the id).
+PER_HEAD_TOKEN = -2
+
 
 def is_valid(index):
     """True where `index` names a real slot."""

@@ -170,6 +170,8 @@ def init_sharded(config, mesh: Mesh):
 
     shardings = state_shardings(config, mesh)
     state = init_state(dataclasses.replace(config, with_pages=False))
+    state = state.update(head_mass=jnp.zeros(  # the pageless config keeps no per-head mass
+        state.blocks.attn_mass.shape + config.head_mass_shape, jnp.float32))
     shapes = jax.eval_shape(lambda: init_pages(config))
     zeros = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                     out_shardings=shardings.pages)

@@ -211,6 +211,13 @@ class StateConfig:
         return (m.num_layers, m.num_kv_heads, self.pool_sizes[pool], self.block_size, m.head_dim)
 
     @property
+    def head_mass_shape(self) -> tuple[int, int]:
+        """(L, Hkv) of `Blocks.head_mass` when the state has pages, else (0, 0): per-head
+        attention only matters where there are per-head pages to evict from."""
+        m = self.model
+        return (m.num_layers, m.num_kv_heads) if self.with_pages else (0, 0)
+
+    @property
     def page_dtype(self):
         """dtype of the full-precision pools (pool 0 and the host pool)."""
         return jnp.dtype(self.pool_formats[0].dtype)
@@ -243,6 +250,9 @@ class Blocks:
     attn_mass: jax.Array  # f32[NB, P]  attention each cached token received, accumulated over
     #                      decode steps (summed over layers and KV heads, each the mean over the
     #                      query heads of its group); 0 past `fill`, reset when freed or rewritten
+    head_mass: jax.Array  # f32[NB, P, L', Hkv']  the same per layer and KV head, what per-head
+    #                      eviction scores; (L', Hkv') = (L, Hkv) when the state has pages, else
+    #                      (0, 0): a metadata-only state stores none (`StateConfig.head_mass_shape`)
     cold_at: jax.Array  # i32[NB]  LRU stamp of a *cold* cached block (pool 0, full, hashed, held
     #                    by nothing, on no free list; `keep_cold_blocks` only): the value of
     #                    `FreeLists.cold_clock` when it went cold. INVALID for every other block
@@ -398,6 +408,7 @@ def init_state(config: StateConfig) -> KVState:
         parent_gen=i32((nb,)),
         generation=i32((nb,)),
         attn_mass=np.zeros((nb, p), np.float32),
+        head_mass=np.zeros((nb, p) + config.head_mass_shape, np.float32),
         cold_at=i32((nb,), INVALID),
         free_list=free_list,
         free_count=np.array(config.pool_sizes, np.int32),

@@ -174,6 +174,7 @@ def admit_core(config: StateConfig, state: KVState, tenants, tokens, lengths):
         fill=s.blocks.fill.at[new_ids].set(fill, mode="drop"),
         token_ids=s.blocks.token_ids.at[new_ids].set(blocks, mode="drop"),
         attn_mass=s.blocks.attn_mass.at[new_ids].set(0.0, mode="drop"),
+        head_mass=s.blocks.head_mass.at[new_ids].set(0.0, mode="drop"),
         block_hash=s.blocks.block_hash.at[new_ids].set(
             jnp.where(full[..., None], hashes, jnp.uint32(0)), mode="drop"),
         hashed=s.blocks.hashed.at[new_ids].set(full, mode="drop"),
@@ -249,6 +250,7 @@ def append_core(config: StateConfig, state: KVState, seq_ids, tokens):
     state = s.update(
         token_ids=token_ids,
         attn_mass=s.blocks.attn_mass.at[ai].set(0.0, mode="drop"),
+        head_mass=s.blocks.head_mass.at[ai].set(0.0, mode="drop"),
         fill=s.blocks.fill.at[bi].add(1, mode="drop"),
         block_hash=s.blocks.block_hash.at[after(fi, prev_hash)].set(h, mode="drop"),
         # ... unless the sequence lost tokens to eviction: its K/V sit at other positions than
@@ -319,6 +321,7 @@ def fork_core(config: StateConfig, state: KVState, seq_ids):
         fill=s.blocks.fill.at[ai].set(s.blocks.fill[oc], mode="drop"),
         token_ids=s.blocks.token_ids.at[ai].set(s.blocks.token_ids[oc], mode="drop"),
         attn_mass=s.blocks.attn_mass.at[ai].set(s.blocks.attn_mass[oc], mode="drop"),
+        head_mass=s.blocks.head_mass.at[ai].set(s.blocks.head_mass[oc], mode="drop"),
         block_salt=s.blocks.block_salt.at[ai].set(s.blocks.block_salt[oc], mode="drop"),
         parent=s.blocks.parent.at[ai].set(s.blocks.parent[oc], mode="drop"),
         parent_gen=s.blocks.parent_gen.at[ai].set(s.blocks.parent_gen[oc], mode="drop"),

@@ -35,27 +35,30 @@ from kvquota.core.tiers import own_blocks, pop_blocks
 from kvquota.errors import InputShapeError, InvalidArgumentError, PoolFullError, TierError
 from kvquota.policies import TokenView, get_policy
 from kvquota.reports import EvictReport
-from kvquota.sentinel import INVALID
+from kvquota.sentinel import INVALID, PER_HEAD_TOKEN
 from kvquota.state import KVState, StateConfig
 from kvquota.validation import heirs_of_rows, int_scalar, seq_batch
 
 
 def plan_tokens(config: StateConfig, state: KVState, seq_ids, keep):
-    """Where every kept token goes. keep bool[B, C] (C = MB * P; False past each length).
+    """Where every kept token goes. keep bool[B, G, C] (C = MB * P; False past each length): one
+    kept set (G = 1) or one per layer and KV head (G = L * Hkv, the same count in each).
 
     Returns a dict of the new table i32[B, MB], which new blocks are written (bool[B, MB]),
-    which of them are fresh copies (bool[B, MB]), each kept token's destination (block, slot)
-    and the number of kept tokens i32[B]."""
+    which of them are fresh copies (bool[B, MB]), each kept token's destination (block, slot:
+    i32[B, G, C]), whether every head keeps the same tokens (`agree` bool[B]) and the number of
+    kept tokens i32[B]."""
     p, mb = config.block_size, config.max_blocks_per_seq
-    b, c = keep.shape
+    b, _, c = keep.shape
     rows, tcol = seq_rows(state, seq_ids)
     lens = jnp.where(seq_ids >= 0, state.seqs.seq_lens[clip(seq_ids)], 0)
-    i = jnp.arange(c, dtype=jnp.int32)[None, :]
-    keep = keep & (i < lens[:, None])
-    n_keep = keep.sum(axis=1).astype(jnp.int32)
-    dropped = (i < lens[:, None]) & ~keep
-    first_drop = jnp.where(dropped.any(axis=1), jnp.argmax(dropped, axis=1), lens)
-    stable = (first_drop // p).astype(jnp.int32)  # blocks left exactly as they are
+    i = jnp.arange(c, dtype=jnp.int32)[None, None, :]
+    held = i < lens[:, None, None]
+    keep = keep & held
+    n_keep = keep[:, 0].sum(axis=1).astype(jnp.int32)
+    dropped = held & ~keep
+    first_drop = jnp.where(dropped.any(axis=2), jnp.argmax(dropped, axis=2), lens[:, None])
+    stable = (first_drop.min(axis=1) // p).astype(jnp.int32)  # blocks left exactly as they are
     q = jnp.arange(mb, dtype=jnp.int32)[None, :]
     new_nblk = (n_keep + p - 1) // p
     written = (q >= stable[:, None]) & (q < new_nblk[:, None])
@@ -64,14 +67,15 @@ def plan_tokens(config: StateConfig, state: KVState, seq_ids, keep):
     fresh_ids, n_fresh, state = pop_blocks(config, state, fresh.ravel(), 0)
     table = jnp.where(q < new_nblk[:, None], rows, INVALID)
     table = jnp.where(fresh, fresh_ids.reshape(b, mb), table)
-    j = jnp.cumsum(keep, axis=1) - 1  # new cache index of each kept token
-    moved = keep & (i >= (stable * p)[:, None])  # kept tokens that land in a written block
-    dst_blk = jnp.take_along_axis(table, jnp.clip(j // p, 0, mb - 1), axis=1)
+    j = jnp.cumsum(keep, axis=2) - 1  # new cache index of each kept token, per head
+    moved = keep & (i >= (stable * p)[:, None, None])  # kept tokens that land in a written block
+    dst_blk = jnp.take_along_axis(table[:, None, :], jnp.clip(j // p, 0, mb - 1), axis=2)
+    src = jnp.arange(c, dtype=jnp.int32)[None, :]
     return dict(state=state, table=table, rows=rows, tcol=tcol, written=written, fresh=fresh,
                 n_fresh=n_fresh, n_keep=n_keep, lens=lens, moved=moved, dst_blk=dst_blk,
-                dst_slot=j % p, src_blk=jnp.take_along_axis(rows, jnp.clip(i // p, 0, mb - 1),
-                                                          axis=1), src_slot=i % p,
-                new_nblk=new_nblk)
+                dst_slot=j % p, agree=(keep == keep[:, :1]).all(axis=(1, 2)),
+                src_blk=jnp.take_along_axis(rows, jnp.clip(src // p, 0, mb - 1), axis=1),
+                src_slot=jnp.broadcast_to(src % p, (b, c)), new_nblk=new_nblk)
 
 
 def fresh_count(config: StateConfig, state: KVState, seq_ids, keep):
@@ -81,27 +85,47 @@ def fresh_count(config: StateConfig, state: KVState, seq_ids, keep):
 
 @donating_jit
 def evict_tokens_core(config: StateConfig, state: KVState, seq_ids, keep, heir_rows):
-    """Keep exactly the tokens `keep` (bool[B, MB * P]) of `seq_ids` (i32[B], unique, INVALID =
-    padding), compacted. `heir_rows` (the live rows' table entries, see `release.heir_inputs`)
-    may inherit a shared block's charge."""
+    """Keep exactly the tokens `keep` (bool[B, G, MB * P]: G = 1 for every layer and head alike,
+    or L * Hkv, each (layer, head) its own tokens, the same number) of `seq_ids` (i32[B],
+    unique, INVALID = padding), compacted: slot j of head h holds h's j-th kept token.
+    `heir_rows` (the live rows' table entries, see `release.heir_inputs`) may inherit a shared
+    block's charge.
+
+    Written blocks whose heads keep different tokens hold no single token per slot: their
+    token ids are PER_HEAD_TOKEN (never hashed: they are no prefix-cache target anyway), and
+    their summed mass is the sum of each head's kept token's mass."""
     p, nb, ns, ntn = config.block_size, config.total_blocks, config.max_seqs, config.num_tenants
     pl = plan_tokens(config, state, seq_ids, keep)
     state = pl["state"]  # the fresh blocks popped
     b, mb = pl["table"].shape
+    groups = keep.shape[1]
     blk, s = state.blocks, state
     valid = seq_ids >= 0
     ten = pl["tcol"][:, 0]
     written = oob(pl["table"], pl["written"], nb)
     fresh = oob(pl["table"], pl["fresh"], nb)
-    src = (clip(pl["src_blk"]), pl["src_slot"])
-    dst = (oob(pl["dst_blk"], pl["moved"], nb), pl["dst_slot"])
+    src = (clip(pl["src_blk"]), pl["src_slot"])  # [B, C] each
+    moved, dst_blk, dst_slot = pl["moved"], pl["dst_blk"], pl["dst_slot"]  # [B, G, C] each
+    dst0 = (oob(dst_blk[:, 0], moved[:, 0], nb), dst_slot[:, 0])  # head 0's tokens
     fill = jnp.clip(pl["n_keep"][:, None] - jnp.arange(mb)[None, :] * p, 0, p)
 
     # Token ids, mass and pages of the written blocks: cleared, then the kept tokens scattered.
-    token_ids = blk.token_ids.at[written].set(INVALID, mode="drop").at[dst].set(
-        blk.token_ids[src], mode="drop")
-    mass = blk.attn_mass.at[written].set(0.0, mode="drop").at[dst].set(
-        blk.attn_mass[src], mode="drop")
+    named = jnp.where(pl["agree"][:, None], blk.token_ids[src], PER_HEAD_TOKEN)  # [B, C]
+    token_ids = blk.token_ids.at[written].set(INVALID, mode="drop").at[dst0].set(
+        named, mode="drop")
+    head_mass = blk.head_mass.at[written].set(0.0, mode="drop")
+    mass = blk.attn_mass.at[written].set(0.0, mode="drop")
+    if groups == 1:
+        mass = mass.at[dst0].set(blk.attn_mass[src], mode="drop")
+        head_mass = head_mass.at[dst0].set(blk.head_mass[src], mode="drop")
+    else:  # head g = (layer g // Hkv, KV head g % Hkv) moves its own tokens
+        hkv = blk.head_mass.shape[3]
+        layer = (jnp.arange(groups) // hkv)[None, :, None]
+        head = (jnp.arange(groups) % hkv)[None, :, None]
+        dst = (oob(dst_blk, moved, nb), dst_slot, layer, head)
+        kept_mass = blk.head_mass[src[0][:, None], src[1][:, None], layer, head]  # [B, G, C]
+        head_mass = head_mass.at[dst].set(kept_mass, mode="drop")
+        mass = mass.at[dst[:2]].add(kept_mass, mode="drop")
     # Chain hashes of the new token stream (the prefix stays; rewritten blocks re-chained).
     salts = s.tenants.salt[clip(ten)]
     stream = token_ids[clip(pl["table"])]  # [B, MB, P]
@@ -117,6 +141,7 @@ def evict_tokens_core(config: StateConfig, state: KVState, seq_ids, keep, heir_r
     state = s.update(
         token_ids=token_ids,
         attn_mass=mass,
+        head_mass=head_mass,
         fill=blk.fill.at[written].set(fill, mode="drop"),
         block_hash=blk.block_hash.at[written].set(
             jnp.where(full[..., None], hashes, jnp.uint32(0)), mode="drop"),
@@ -142,12 +167,37 @@ def evict_tokens_core(config: StateConfig, state: KVState, seq_ids, keep, heir_r
     if s.pages:
         # Only pool-0 blocks are rewritten (the facade refuses sequences holding compressed
         # blocks in token mode); gather every kept token from the old pages, then scatter.
-        pool0 = s.pages[0]
-        d_blk = jnp.where(dst[0] < config.num_blocks, dst[0], config.num_blocks)
-        move = lambda a: a.at[:, :, d_blk, dst[1]].set(a[:, :, src[0], src[1]], mode="drop")  # noqa: E731
-        state = state.replace(pages=(jax.tree.map(move, pool0),) + s.pages[1:])
+        state = state.replace(pages=(_move_tokens(config, s.pages[0], src, moved, dst_blk,
+                                                  dst_slot),) + s.pages[1:])
     return _settle_and_report(config, state, pl, gone, heirs,
                               jnp.where(valid, pl["lens"] - pl["n_keep"], 0))
+
+
+def _move_tokens(config: StateConfig, pool0, src, moved, dst_blk, dst_slot):
+    """Pool-0 pages with each kept token's K/V copied from `src` (block, slot: i32[B, C]) to its
+    destination (i32[B, G, C] where `moved`): all heads alike (G = 1), or each (layer, KV head)
+    its own tokens, one layer at a time (a [B, G, C, D] gather of every layer would not fit)."""
+    n0 = config.num_blocks
+    d_blk = jnp.where(moved & (dst_blk < n0), dst_blk, n0)  # the rest out of bounds: dropped
+    if moved.shape[1] == 1:
+        move = lambda a: a.at[:, :, d_blk[:, 0], dst_slot[:, 0]].set(  # noqa: E731
+            a[:, :, src[0], src[1]], mode="drop")
+        return jax.tree.map(move, pool0)
+    layers = pool0.k.shape[0]
+    d_blk = d_blk.reshape(d_blk.shape[0], layers, -1, d_blk.shape[-1])  # [B, L, Hkv, C]
+    d_slot = dst_slot.reshape(d_blk.shape)
+
+    def one_head(pages, d_b, d_s):  # [N0, P, D], [B, C], [B, C]
+        return pages.at[d_b, d_s].set(pages[src[0], src[1]], mode="drop")
+
+    def one_layer(layer, pages):
+        # The heads are a vmapped (batch) axis, never an index: a pool split over KV heads
+        # (`kvquota.sharding`) then moves each device's own heads, with no collective.
+        move = lambda a: a.at[layer].set(jax.vmap(one_head, in_axes=(0, 1, 1))(  # noqa: E731
+            a[layer], d_blk[:, layer], d_slot[:, layer]))
+        return jax.tree.map(move, pages)
+
+    return jax.lax.fori_loop(0, layers, one_layer, pool0)
 
 
 def plan_blocks(config: StateConfig, state: KVState, seq_ids, keep):
@@ -215,6 +265,7 @@ def evict_blocks_core(config: StateConfig, state: KVState, seq_ids, keep, heir_r
     state = s.update(
         token_ids=token_ids,
         attn_mass=blk.attn_mass.at[fresh].set(blk.attn_mass[rows_c], mode="drop"),
+        head_mass=blk.head_mass.at[fresh].set(blk.head_mass[rows_c], mode="drop"),
         fill=blk.fill.at[fresh].set(blk.fill[rows_c], mode="drop"),
         block_hash=blk.block_hash.at[rew].set(
             jnp.where(full[..., None], hashes, jnp.uint32(0)), mode="drop"),
@@ -268,10 +319,16 @@ _fresh_block_count = jax.jit(fresh_block_count, static_argnums=(0,))
 
 
 # ---- the facade's checks ------------------------------------------------------------------------
+AGGREGATES = ("head", "global")
+
+
 def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, mode="token",
-          attention=None, donate=False, **options):
+          aggregate=None, attention=None, donate=False, **options):
     """Allocator.evict: the policy's keep mask computed on the host view, then room for the
-    copies on write checked by the core's own count."""
+    copies on write checked by the core's own count. `aggregate` "head" (the default in token
+    mode on a state with pages): each layer and KV head keeps its own top tokens; "global" (the
+    only choice for block mode and metadata-only states): one set for the whole model, scored
+    on the statistics summed over layers and heads."""
     c = config
     pol = get_policy(policy, **options)
     ids, real = seq_batch(c, state, seq_ids, "evict", (SEQ_RUNNING, SEQ_IDLE))
@@ -280,14 +337,23 @@ def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, 
         raise InvalidArgumentError(f"keep_tokens must be >= 1, got {keep}")
     if mode not in ("token", "block"):
         raise InvalidArgumentError(f"evict mode must be 'token' or 'block', got {mode!r}")
+    if aggregate is None:
+        aggregate = "head" if mode == "token" and state.pages else "global"
+    if aggregate not in AGGREGATES:
+        raise InvalidArgumentError(f"evict aggregate must be 'head' or 'global', got "
+                                   f"{aggregate!r}")
+    if aggregate == "head" and (mode != "token" or not state.pages):
+        raise InvalidArgumentError("per-head eviction (aggregate='head') compacts each head's "
+                                   "pages: it needs token mode on a state with pages")
     tables = np.asarray(state.seqs.block_tables)[np.maximum(ids, 0)]
     tables = np.where((ids >= 0)[:, None], tables, INVALID)
     if mode == "token" and (tables >= c.num_blocks).any():
         raise TierError("evict: a sequence holds compressed blocks; token eviction rewrites "
                         "pool-0 pages only (use mode='block')")
-    view = token_view(c, state, ids, tables, pol, attention)
+    view = token_view(c, state, ids, tables, pol, attention, aggregate)
     if mode == "token":
         mask = np.asarray(pol.keep_mask(view, np.full(ids.size, keep, np.int32)))
+        mask = mask.reshape(ids.size, -1, mask.shape[-1])  # [B, G, C]
         need = int(_fresh_count(c, state, ids, mask))
     else:
         mask = np.asarray(pol.block_keep_mask(
@@ -305,28 +371,54 @@ def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, 
     return core(c, state, ids, mask, heirs_of_rows(c, state, real), donate=donate)
 
 
-def token_view(config: StateConfig, state: KVState, ids, tables, policy, attention) -> TokenView:
+def token_view(config: StateConfig, state: KVState, ids, tables, policy, attention,
+               aggregate: str = "global") -> TokenView:
     """What an eviction policy reads, per cache index of rows `ids` (tables i32[B, MB]): mass,
-    and key norms / last attention when the policy needs them."""
+    and key norms / last attention when the policy needs them; per layer and KV head
+    (`aggregate="head"`: [B, L, Hkv, C]) or summed over them ("global": [B, 1, 1, C])."""
     c = config
     width = c.max_tokens_per_seq
+    b = ids.size
+    per_head = aggregate == "head"
     safe = np.maximum(tables, 0)
     lengths = np.where(ids >= 0, np.asarray(state.seqs.seq_lens)[np.maximum(ids, 0)], 0)
-    mass = np.asarray(state.blocks.attn_mass[safe]).reshape(ids.size, width)
+    if per_head:
+        heads = np.asarray(state.blocks.head_mass[safe])  # [B, MB, P, L, Hkv]
+        if policy.reads_mass and not heads.any() and \
+                np.asarray(state.blocks.attn_mass[safe]).any():
+            raise InvalidArgumentError(
+                "evict: the mass of these sequences was recorded summed over layers and heads "
+                "(record_attention with f32[B, C]); per-head eviction needs it per head "
+                "(f32[B, L, Hkv, C], as the engine records it), or pass aggregate='global'")
+        mass = np.moveaxis(heads.reshape(b, width, *heads.shape[3:]), 1, -1)
+    else:
+        mass = np.asarray(state.blocks.attn_mass[safe]).reshape(b, 1, 1, width)
     key_norm = last = None
     if "key_norm" in policy.needs:
         if not state.pages:
             raise TierError(f"policy {policy.name!r} reads keys: this state has no pages")
         k = state.pages[0].k[:, :, np.minimum(safe, c.num_blocks - 1)]  # [L, H, B, MB, P, D]
-        norm = jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=(0, 1, -1)))
-        key_norm = jnp.asarray(norm).reshape(ids.size, width)
+        sq = jnp.square(k.astype(jnp.float32))
+        if per_head:
+            norm = jnp.moveaxis(jnp.sqrt(jnp.sum(sq, axis=-1)).reshape(*k.shape[:3], width), 2, 0)
+        else:
+            norm = jnp.sqrt(jnp.sum(sq, axis=(0, 1, -1))).reshape(b, 1, 1, width)
+        key_norm = norm
     if "last_attention" in policy.needs:
         if attention is None:
             raise InvalidArgumentError(f"policy {policy.name!r} needs attention= (the last "
                                        "step's attention per cached token)")
         last = np.asarray(attention, np.float32)
-        if last.shape != (ids.size, width):
-            raise InputShapeError(f"attention must be [{ids.size}, {width}], got {last.shape}")
+        layers, hkv = c.model.num_layers, c.model.num_kv_heads
+        if last.shape == (b, layers, hkv, width) and not per_head:
+            last = last.sum(axis=(1, 2))
+        if last.shape == (b, width) and not per_head:
+            last = last.reshape(b, 1, 1, width)
+        if last.shape != mass.shape:
+            want = f"[{b}, {layers}, {hkv}, {width}]" if per_head else \
+                f"[{b}, {width}] or [{b}, {layers}, {hkv}, {width}]"
+            raise InputShapeError(f"attention must be {want} for aggregate={aggregate!r}, got "
+                                  f"{last.shape}")
     return TokenView(lengths=jnp.asarray(lengths, jnp.int32), mass=jnp.asarray(mass),
                      key_norm=key_norm, last_attention=None if last is None else
                      jnp.asarray(last))

@@ -134,6 +134,7 @@ def settle(config, state, touched, heirs, reads=()):
         parent_gen=s.blocks.parent_gen.at[pi].set(0, mode="drop"),
         generation=s.blocks.generation.at[pi].add(1, mode="drop"),
         attn_mass=s.blocks.attn_mass.at[fi].set(0.0, mode="drop"),
+        head_mass=s.blocks.head_mass.at[fi].set(0.0, mode="drop"),
         free_list=s.free.free_list.at[push_at].set(b, mode="drop"),
         free_count=s.free.free_count + pushed_per_pool,
         charged_blocks=charged,

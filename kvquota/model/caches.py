@@ -26,8 +26,8 @@ is skipped at run time (`lax.cond`). With no compressed pool the path is the sin
 unchanged: the raw table, one kernel call, no merge.
 
 Attention mass (`_paged_attend_mass`, decode only, opt-in): the attention each cached token
-receives, f32[B, M * P] by cache index, summed over KV heads of the mean over the query heads of
-each group (the kernels' `mass="token"`). Single pool: the kernels' mass as is. Mixed pools: a
+receives, f32[B, Hkv, M * P] by KV head and cache index, each the mean over the query heads of
+its group (the kernels' `mass="token"`). Single pool: the kernels' mass as is. Mixed pools: a
 pool's mass is normalized within the pool, so each query head's is weighted by its share of
 the merged softmax, exp(lse_pool - lse_merged), before the group mean (hence one kernel call
 per head: each query head is its own batch row), and mapped back from the pool's compacted
@@ -392,8 +392,8 @@ def _decode_per_head(q, k_pages, v_pages, layer, tables, lengths, page: int, sm_
 def _paged_attend_mass(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: float,
                        backend: str):
     """Decode attention (q [B, 1, Hq, D]) and the mass each cached token receives ->
-    (out [B, 1, Hq, D], mass f32[B, M * P]: column i = cache index i of the row's sequence,
-    summed over KV heads of the mean over each group's query heads; see the module docstring).
+    (out [B, 1, Hq, D], mass f32[B, Hkv, M * P]: column i = cache index i of the row's sequence,
+    per KV head the mean over its group's query heads; see the module docstring).
     """
     from kernels import paged_attention
 
@@ -406,20 +406,20 @@ def _paged_attend_mass(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: floa
         out, aux = _kernel("decode", q[:, 0], k_pages, v_pages, meta.block_tables,
                            meta.lengths, sm_scale=sm_scale, mass="token", backend=backend,
                            layer=layer)
-        return out[:, None], jnp.sum(aux.mass, axis=1)
+        return out[:, None], aux.mass
     pools = meta.pools
     parts = [(k_pages, v_pages)] + list(cache.compressed)
     results = [_decode_per_head(q[:, 0], kp, vp, layer, pools.tables[p], pools.lengths[p], page,
                                 sm_scale, backend) for p, (kp, vp) in enumerate(parts)]
     out, lse = paged_attention.merge_attention([r[0] for r in results], [r[1] for r in results])
     hkv = cache.k_pages.shape[1]
-    mass = jnp.zeros((b, m, page), jnp.float32)
+    mass = jnp.zeros((b, hkv, m, page), jnp.float32)
     for p, (_, lse_p, mass_p) in enumerate(results):
         share = jnp.where(jnp.isfinite(lse_p), jnp.exp(lse_p - jnp.where(
             jnp.isfinite(lse), lse, 0.0)), 0.0)  # [B, Hq]: the pool's part of the softmax
-        pooled = jnp.sum(share[..., None] * mass_p, axis=1) / (hq // hkv)  # compacted columns
-        slots = pools.slots[p]  # [B, M]
-        back = jnp.take_along_axis(pooled.reshape(b, m, page), jnp.maximum(slots, 0)[..., None],
-                                   axis=1)
-        mass = mass + jnp.where((slots >= 0)[..., None], back, 0.0)
-    return out[:, None], mass.reshape(b, m * page)
+        weighted = (share[..., None] * mass_p).reshape(b, hkv, hq // hkv, m, page)
+        pooled = jnp.mean(weighted, axis=2)  # [B, Hkv, M, P]: the group mean, compacted columns
+        slots = pools.slots[p][:, None, :, None]  # [B, 1, M, 1]
+        back = jnp.take_along_axis(pooled, jnp.maximum(slots, 0), axis=2)
+        mass = mass + jnp.where(slots >= 0, back, 0.0)
+    return out[:, None], mass.reshape(b, hkv, m * page)

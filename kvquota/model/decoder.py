@@ -15,9 +15,10 @@ never written and its logits mean nothing). The two caches (`DenseKV`, `PagedKV`
 `kvquota.model.caches`.
 
 With `with_mass=True` (a decode step, T == 1, on a `PagedKV`) the call also returns the attention
-mass each cached token received, f32[B, M * P] by cache index (M = the block table's width),
-summed over layers and KV heads of the mean over each group's query heads; it is summed in the
-scan's carry. Off (the default), nothing of it is traced.
+mass each cached token received, f32[B, L, Hkv, M * P] per layer and KV head by cache index
+(M = the block table's width), each the mean over the group's query heads: the layer scan's
+output, so per-head eviction can score each (layer, head) on its own. Off (the default), nothing
+of it is traced.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Scanned over layers.
 
-    The carry is (h, cache), or with `with_mass` (h, cache, mass summed over the layers so far).
+    The carry is (h, cache); with `with_mass` the layer's attention mass f32[B, Hkv, M*P] is
+    its scan output (stacked over the layers).
     """
 
     config: ModelConfig
@@ -132,7 +134,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, layer, cos, sin, meta):
-        h, cache = carry[:2]
+        h, cache = carry
         eps = self.config.rms_eps
         a, cache, *mass = Attention(self.config, self.backend, name="attn")(
             nn.RMSNorm(epsilon=eps, name="attn_norm")(h), layer, cos, sin, cache, meta,
@@ -140,7 +142,7 @@ class DecoderLayer(nn.Module):
         )
         h = h + a
         h = h + MLP(self.config, name="mlp")(nn.RMSNorm(epsilon=eps, name="mlp_norm")(h))
-        return ((h, cache, carry[2] + mass[0]) if self.with_mass else (h, cache)), None
+        return (h, cache), (mass[0] if self.with_mass else None)
 
 
 class Decoder(nn.Module):
@@ -159,8 +161,8 @@ class Decoder(nn.Module):
                  with_mass: bool = False):
         """With `last_only`, logits only at each row's last real token: [B, 1, V] (prefill for
         generation needs no more, and the vocabulary projection is a large share of the work).
-        With `with_mass` (decode, PagedKV): (logits, cache, mass f32[B, M*P]), see the module
-        docstring."""
+        With `with_mass` (decode, PagedKV): (logits, cache, mass f32[B, L, Hkv, M*P]), see the
+        module docstring."""
         cfg = self.config
         if isinstance(cache, PagedKV) and cache.compressed:
             cache.check_layout()
@@ -183,13 +185,12 @@ class Decoder(nn.Module):
             if not isinstance(cache, PagedKV) or tokens.shape[1] != 1:
                 raise ValueError("with_mass needs a decode step (T == 1) on a PagedKV cache, got "
                                  f"T = {tokens.shape[1]} on {type(cache).__name__}")
-            width = meta.block_tables.shape[1] * cache.k_pages.shape[3]
-            carry = carry + (jnp.zeros((tokens.shape[0], width), jnp.float32),)
-        (h, cache, *mass), _ = layers(carry, layer_ids, cos, sin, meta)
-        if mass:  # under a mesh: replicated, like the per-block metadata it is added to
+        (h, cache), per_layer = layers(carry, layer_ids, cos, sin, meta)
+        mass = []
+        if with_mass:  # under a mesh: replicated, like the per-block metadata it is added to
             from kvquota.sharding import replicated
 
-            mass = [replicated(mass[0])]
+            mass = [replicated(jnp.moveaxis(per_layer, 0, 1))]  # [B, L, Hkv, M*P]
         if last_only:
             last = jnp.maximum(meta.num_new - 1, 0)[:, None, None]  # [B, 1, 1]
             h = jnp.take_along_axis(h, last, axis=1)  # [B, 1, H]

@@ -2,9 +2,12 @@
 dataclass with ONE hook, `score`, that rates each cached token; the base class does the top-k and
 the bookkeeping, so a policy is a few lines of scoring.
 
-Scores are f32[B, C] over cache indices (C = max_blocks_per_seq * block_size); higher is kept.
-Cache order is the original order of the tokens (eviction compacts but never reorders), so
-"recent" and "sink" are read off the cache index.
+Scores are f32[B, L, Hkv, C] (kvpress's `score` contract, batched): per layer and KV head over
+cache indices (C = max_blocks_per_seq * block_size); higher is kept, and each (layer, head) keeps
+its own top tokens, the same number in each. A view of the whole model (`aggregate="global"`:
+the summed mass, one kept set for every layer and head, as block-mode eviction and metadata-only
+states need) has L = Hkv = 1. Cache order is the original order of the tokens (eviction compacts
+but never reorders), so "recent" and "sink" are read off the cache index.
 """
 
 from __future__ import annotations
@@ -23,22 +26,30 @@ REGISTRY: dict[str, type["EvictionPolicy"]] = {}
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TokenView:
-    """What a policy may read about the cached tokens of a batch of sequences."""
+    """What a policy may read about the cached tokens of a batch of sequences, per layer and
+    KV head ([B, L, Hkv, C]; L = Hkv = 1 for a view of the whole model)."""
 
     lengths: jax.Array  # i32[B]  cached tokens per sequence
-    mass: jax.Array  # f32[B, C]  accumulated attention mass per token (the state's attn_mass)
-    key_norm: Optional[jax.Array]  # f32[B, C]  L2 norm of K (over layers and KV heads), or None
-    last_attention: Optional[jax.Array]  # f32[B, C]  the last decode step's mass, or None
+    mass: jax.Array  # f32[B, L, Hkv, C]  accumulated attention mass per token (the state's
+    #                  head_mass; attn_mass, summed over layers and heads, when L = Hkv = 1)
+    key_norm: Optional[jax.Array]  # f32[B, L, Hkv, C]  L2 norm of K over its channels (and,
+    #                                when L = Hkv = 1, over layers and heads), or None
+    last_attention: Optional[jax.Array]  # f32[B, L, Hkv, C]  the last decode step's mass, or None
 
     @property
     def index(self) -> jax.Array:
-        """i32[1, C] cache index of each column."""
-        return jnp.arange(self.mass.shape[1], dtype=jnp.int32)[None, :]
+        """i32[1, 1, 1, C] cache index of each column."""
+        return jnp.arange(self.mass.shape[-1], dtype=jnp.int32)[None, None, None, :]
 
     @property
     def valid(self) -> jax.Array:
-        """bool[B, C]: columns that hold a token."""
-        return self.index < self.lengths[:, None]
+        """bool[B, 1, 1, C]: columns that hold a token."""
+        return self.index < self.lengths[:, None, None, None]
+
+    @property
+    def per_head(self) -> bool:
+        """Whether the view scores each (layer, KV head) on its own."""
+        return self.mass.shape[1:3] != (1, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +62,7 @@ class EvictionPolicy:
 
     name: ClassVar[str] = ""
     needs: ClassVar[tuple[str, ...]] = ()  # TokenView fields that must not be None
+    reads_mass: ClassVar[bool] = False  # scores the recorded attention mass
     recent: int = 0
 
     def __init_subclass__(cls, **kwargs):
@@ -64,31 +76,41 @@ class EvictionPolicy:
                                        f"got {self.recent!r}")
 
     def score(self, view: TokenView) -> jax.Array:
-        """f32[B, C]: how much each token is worth keeping (higher kept first)."""
+        """f32[B, L, Hkv, C] (or broadcastable to it): how much each token is worth keeping
+        (higher kept first)."""
         raise NotImplementedError
 
-    def keep_mask(self, view: TokenView, keep_tokens: jax.Array) -> jax.Array:
-        """bool[B, C]: exactly min(keep_tokens, length) tokens per sequence, the top-scored ones
-        (the `recent` window first; ties go to the later token)."""
+    def _scores(self, view: TokenView) -> jax.Array:
         for field in self.needs:
             if getattr(view, field) is None:
                 raise InvalidArgumentError(f"policy {self.name!r} needs {field}")
-        s = self.score(view).astype(jnp.float32)
-        recent = view.index >= (view.lengths - self.recent)[:, None]
+        return jnp.broadcast_to(self.score(view).astype(jnp.float32), view.mass.shape)
+
+    def keep_mask(self, view: TokenView, keep_tokens: jax.Array) -> jax.Array:
+        """bool[B, L, Hkv, C]: exactly min(keep_tokens, length) tokens per sequence in each
+        (layer, head), the top-scored ones (the `recent` window first; ties go to the later
+        token)."""
+        s = self._scores(view)
+        recent = view.index >= (view.lengths - self.recent)[:, None, None, None]
         s = jnp.where(recent, jnp.inf, s)
         s = jnp.where(view.valid, s, -jnp.inf)
         # Rank by (score, index) descending: ties keep the more recent token.
         order = jnp.lexsort((-view.index.astype(jnp.float32) * jnp.ones_like(s), -s), axis=-1)
         rank = jnp.argsort(order, axis=-1)
         k = jnp.minimum(keep_tokens, view.lengths)
-        return view.valid & (rank < k[:, None])
+        return view.valid & (rank < k[:, None, None, None])
 
     def block_keep_mask(self, view: TokenView, block_size: int, keep_blocks: jax.Array):
-        """bool[B, MB]: the top-scored whole blocks (a block's score: its tokens' mean)."""
-        b, c = view.mass.shape
-        s = jnp.where(view.valid, self.score(view).astype(jnp.float32), 0.0)
+        """bool[B, MB]: the top-scored whole blocks (a block's score: its tokens' mean), one
+        set for the whole model (a view with L = Hkv = 1)."""
+        if view.per_head:
+            raise InvalidArgumentError("whole-block eviction keeps one set of blocks for every "
+                                       "layer and head: it needs a global view")
+        b, c = view.mass.shape[0], view.mass.shape[-1]
+        valid = view.valid[:, 0, 0]
+        s = jnp.where(valid, self._scores(view)[:, 0, 0], 0.0)
         s = s.reshape(b, c // block_size, block_size)
-        n = view.valid.reshape(b, c // block_size, block_size).sum(-1)
+        n = valid.reshape(b, c // block_size, block_size).sum(-1)
         mean = jnp.where(n > 0, s.sum(-1) / jnp.maximum(n, 1), -jnp.inf)
         q = jnp.arange(c // block_size)[None, :]
         recent = (q + 1) * block_size > (view.lengths - self.recent)[:, None]

@@ -1,4 +1,6 @@
 """The published eviction methods, each one scoring hook (facts from the papers; code our own).
+Each scores every layer and KV head on its own (`TokenView`: [B, L, Hkv, C]); on a view of the
+whole model (L = Hkv = 1) the same rule reads the summed statistics.
 
 * StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks"):
   keep the first `sinks` tokens and the most recent ones.
@@ -8,7 +10,7 @@
   `kernel`) so clusters survive together. Here the attention is the state's accumulated decode
   mass, not a prefill observation window.
 * TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"): keep the tokens the last query
-  attends to most (needs the last step's attention).
+  attends to most, per layer with the layer's heads averaged (needs the last step's attention).
 * Key norm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
   Compression"): keys with a LOW L2 norm draw attention, so they are kept.
 * random (seeded) and oldest-first: the baselines.
@@ -31,7 +33,7 @@ class StreamingLLM(EvictionPolicy):
 
     def score(self, view: TokenView):
         # Sinks above every other token (the earliest first), then the most recent.
-        c = view.mass.shape[1]
+        c = view.mass.shape[-1]
         i = view.index.astype(jnp.float32)
         return jnp.where(view.index < self.sinks, c + self.sinks - i, i) * jnp.ones_like(view.mass)
 
@@ -39,6 +41,7 @@ class StreamingLLM(EvictionPolicy):
 @dataclasses.dataclass(frozen=True)
 class H2O(EvictionPolicy):
     name = "h2o"
+    reads_mass = True
 
     def score(self, view: TokenView):
         return view.mass
@@ -47,13 +50,15 @@ class H2O(EvictionPolicy):
 @dataclasses.dataclass(frozen=True)
 class SnapKV(EvictionPolicy):
     name = "snapkv"
+    reads_mass = True
     kernel: int = 7
 
     def score(self, view: TokenView):
         pad = self.kernel // 2
         m = jnp.where(view.valid, view.mass, -jnp.inf)
-        pooled = jax.lax.reduce_window(m, -jnp.inf, jax.lax.max, (1, self.kernel), (1, 1),
-                                       [(0, 0), (pad, self.kernel - 1 - pad)])
+        pooled = jax.lax.reduce_window(m, -jnp.inf, jax.lax.max, (1, 1, 1, self.kernel),
+                                       (1, 1, 1, 1),
+                                       [(0, 0)] * 3 + [(pad, self.kernel - 1 - pad)])
         return jnp.where(view.valid, pooled, 0.0)
 
 
@@ -63,7 +68,7 @@ class TOVA(EvictionPolicy):
     needs = ("last_attention",)
 
     def score(self, view: TokenView):
-        return view.last_attention
+        return jnp.mean(view.last_attention, axis=2, keepdims=True)  # one choice per layer
 
 
 @dataclasses.dataclass(frozen=True)

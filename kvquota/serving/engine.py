@@ -50,13 +50,14 @@ from kvquota.serving.sampling import Sampling, sample_tokens
 def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_new, positions,
                    *, last_only: bool, pool_starts: tuple[int, ...], record=None):
     """One chunk over the paged state (donates `state`); with `record` (static, decode only: a
-    StateConfig) the step's attention mass is added into `blocks.attn_mass` and returned too.
+    StateConfig) the step's attention mass (f32[B, L, Hkv, M * P]) is added into
+    `blocks.head_mass` and, summed, `blocks.attn_mass`, and returned too.
 
     seq_ids i32[B] (INVALID rows are padding), tokens/positions i32[B, T], start/num_new i32[B].
     `pool_starts` (static): first global block id of each device pool the model reads, pool 0
     then the compressed pools (`StateConfig.pool_starts` less the host pool); `(0,)`: pool 0
     alone. Only pool 0 is written back. Returns (state with the chunk's K/V written, logits
-    [B, V] if last_only else [B, T, V][, mass f32[B, M * P]: `Decoder`'s with_mass]).
+    [B, V] if last_only else [B, T, V][, mass f32[B, L, Hkv, M * P]: `Decoder`'s with_mass]).
     """
     valid = seq_ids >= 0
     tables = state.seqs.block_tables[jnp.clip(seq_ids, 0)]
@@ -68,7 +69,7 @@ def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_ne
     cache = PagedKV(k_pages=pool0.k, v_pages=pool0.v, compressed=compressed,
                     pool_starts=pool_starts)
     logits, cache, *mass = model.apply({"params": params}, tokens, positions, cache, meta,
-                                       last_only, record is not None)  # mass: [] or [f32[B, C]]
+                                       last_only, record is not None)  # [] or [f32[B,L,Hkv,C]]
     pool0 = pool0.replace(k=cache.k_pages, v=cache.v_pages)
     state = state.replace(pages=(pool0,) + state.pages[1:])
     if record is not None:  # the engine's own rows: unique, running (no facade validation)
@@ -269,7 +270,9 @@ class PagedEngine(_Engine):
       chunk_size: prefill chunk length (tokens per sequence per forward call).
       backend: `kernels.paged_attention` backend ("auto": Pallas on GPU, reference on CPU).
       state: an existing state to serve from (default: a fresh one); the engine takes it over.
-      record_attention: decode steps add their attention mass into `blocks.attn_mass` (`last_mass`).
+      record_attention: decode steps add their attention mass, per layer and KV head, into the
+        state (`blocks.head_mass`, summed into `blocks.attn_mass`); the last step's is
+        `last_mass` f32[B, L, Hkv, M * P].
     """
 
     def __init__(self, config: ModelConfig, params, state_config, *, chunk_size: int = 256,
@@ -411,7 +414,7 @@ class PagedEngine(_Engine):
             jnp.asarray(np.asarray(tokens, np.int32)[:, None]), jnp.asarray(start),
             jnp.asarray(report.appended.astype(np.int32)), jnp.asarray(position[:, None]),
             last_only=True, pool_starts=self.pool_starts, record=self._record)
-        self.last_mass = mass[0] if mass else None  # f32[B, M * P] with record_attention
+        self.last_mass = mass[0] if mass else None  # f32[B, L, Hkv, M * P] with record_attention
         return report, logits
 
     def decode_hlo(self, rows: int) -> str:

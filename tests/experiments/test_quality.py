@@ -185,15 +185,16 @@ def test_csv_plots_and_exported_results(twice, tmp_path):
 
 def test_summary_means_and_intervals_come_from_the_points(twice, points):
     summary = twice[0][0]
-    row = next(r for r in summary["methods"]["h2o"] if r["budget"] == 0.5)
+    row = next(r for r in summary["methods"]["h2o"]
+               if r["budget"] == 0.5 and r["variant"] == "oneshot")
     text = [x for x in points if x["method"] == "h2o" and x["budget"] == 0.5
-            and x["kind"] == "text"]
+            and x["variant"] == "oneshot" and x["kind"] == "text"]
     assert row["n_docs"] == len(text) == PRESET.num_docs
     assert row["delta_ppl"] == pytest.approx(np.mean([x["delta_ppl"] for x in text]), abs=1e-8)
     lo, hi = row["delta_ppl_ci"]
     assert lo <= row["delta_ppl"] <= hi
     probes = [x for x in points if x["method"] == "h2o" and x["budget"] == 0.5
-              and x["kind"] != "text"]
+              and x["variant"] == "oneshot" and x["kind"] != "text"]
     assert row["retrieval_accuracy"] == pytest.approx(
         np.mean([x["retrieval_accuracy"] for x in probes]))
 
@@ -294,3 +295,16 @@ def test_cli_tiny_run_from_another_directory(ckpt, tmp_path):
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.splitlines()[-1])
     assert summary["control_exact"] is True and set(summary["methods"]) >= set(qc.METHODS)
+
+
+def test_eviction_runs_per_head_and_with_one_set_for_the_whole_model(twice):
+    """Every eviction method has its per-head rows (variant "oneshot") at every budget and a
+    "global" row at each of the preset's global budgets, over the same documents."""
+    summary = twice[0][0]
+    for method in qc.EVICT_METHODS:
+        rows = summary["methods"][method]
+        assert sorted(r["budget"] for r in rows if r["variant"] == "oneshot") == \
+            list(PRESET.budgets)
+        glob = [r for r in rows if r["variant"] == "global"]
+        assert [r["budget"] for r in glob] == list(PRESET.global_budgets)
+        assert all(r["n_docs"] == PRESET.num_docs for r in glob)

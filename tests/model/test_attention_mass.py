@@ -4,12 +4,12 @@ state (`PagedEngine(record_attention=True)`), tiny model, f32, reference kernels
 The oracle is a dense recomputation from the model's own pieces: the layers run one at a time
 (`DecoderLayer` over a `DenseKV` holding the K/V the paged step wrote, gathered through the
 table), each layer's queries rebuilt from its params (norm, q projection, RoPE), the softmax
-over the cached keys taken densely, averaged over each group's query heads and summed over KV
-heads and layers. Mixed pools: the mixed state's mass against the oracle's on the single-pool
+over the cached keys taken densely and averaged over each group's query heads: per layer and KV
+head, as the decoder returns it. Mixed pools: the mixed state's mass against the oracle's on the single-pool
 state holding the dequantized pages (`test_mixed_pools`' surgery), i.e. the per-pool masses
 weighted by exp(lse_pool - lse_merged) and mapped back to table columns.
 
-Tolerance: per-token masses in [0, 1] summed over layers and KV heads, f32; both sides take the
+Tolerance: per-token masses in [0, 1] per layer and KV head, f32; both sides take the
 same softmax in another order (online over table chunks vs one dense pass in f64; per-pool
 parts merged vs one pool), the oracle's layer inputs through the dense attention path: measured
 max |diff| 1.5e-7 (single pool, tiny-qwen-untied) and 5e-8 (mixed); 1.5e-6 is 10x that. Measured
@@ -71,8 +71,8 @@ def _admitted(eng, lengths=LENGTHS, seed=0):
 
 
 def _dense_mass(eng, ids, tokens):
-    """The oracle: mass f32[B, M*P] of the decode step of `tokens` just taken by `eng` (its
-    state holds the step's K/V; ids all real)."""
+    """The oracle: mass f64[B, L, Hkv, M*P] of the decode step of `tokens` just taken by `eng`
+    (its state holds the step's K/V; ids all real)."""
     cfg, params, sc = eng.config, eng.params, eng.state_config
     lengths = np.asarray(eng.state.seqs.seq_lens)[ids]
     width = sc.max_blocks_per_seq * P
@@ -89,7 +89,7 @@ def _dense_mass(eng, ids, tokens):
     cos, sin = D.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     h = params["embed"]["embedding"][jnp.asarray(tokens)][:, None]
     g = cfg.num_q_heads // cfg.num_kv_heads
-    mass = np.zeros((len(ids), width), np.float64)
+    mass = np.zeros((len(ids), cfg.num_layers, cfg.num_kv_heads, width), np.float64)
     for layer in range(cfg.num_layers):
         lp = jax.tree.map(lambda a, l=layer: a[l], params["layers"])
         x = nn.RMSNorm(epsilon=cfg.rms_eps).apply({"params": lp["attn_norm"]}, h)
@@ -100,26 +100,28 @@ def _dense_mass(eng, ids, tokens):
         s = np.einsum("bkgd,bkcd->bkgc", q, k) / np.sqrt(cfg.head_dim)
         s = np.where(visible[:, None, None], s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
-        mass += (p / p.sum(-1, keepdims=True)).mean(2).sum(1)
+        mass[:, layer] = (p / p.sum(-1, keepdims=True)).mean(2)
         (h, cache), _ = D.DecoderLayer(cfg).apply({"params": lp}, (h, cache), layer, cos, sin,
                                                   meta)
     return mass
 
 
 def test_decode_mass_matches_dense_softmax(model):
-    """One decode step's mass per cache index == the dense softmax of the model's own q and K;
-    each row sums to layers * KV heads; nothing past a sequence's length."""
+    """One decode step's mass per layer, KV head and cache index == the dense softmax of the
+    model's own q and K; each (layer, head) row sums to 1; nothing past a sequence's length."""
     config, params = model
     eng = _engine(config, params, record=True)
     ids, tokens = _admitted(eng)
     _, logits = eng.decode(ids, tokens)
     got = np.asarray(eng.last_mass)
     lengths = np.asarray(eng.state.seqs.seq_lens)[ids]
-    assert got.shape == (len(ids), 8 * P) and got.dtype == np.float32
+    assert got.shape == (len(ids), config.num_layers, config.num_kv_heads, 8 * P)
+    assert got.dtype == np.float32
     np.testing.assert_allclose(got, _dense_mass(eng, ids, tokens), rtol=0, atol=ATOL)
-    np.testing.assert_allclose(got.sum(-1), config.num_layers * config.num_kv_heads, rtol=1e-5)
-    assert (got[np.arange(got.shape[1])[None] >= lengths[:, None]] == 0).all()
-    assert (got[np.arange(got.shape[1])[None] < lengths[:, None]] > 0).all()
+    np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-5)
+    past = np.arange(got.shape[-1])[None] >= lengths[:, None]  # [B, C]
+    assert (got.transpose(0, 3, 1, 2)[past] == 0).all()
+    assert (got.transpose(0, 3, 1, 2)[~past] > 0).all()
     assert np.isfinite(np.asarray(logits)).all()
 
 
@@ -133,18 +135,17 @@ def test_padding_rows_get_no_mass(model):
     eng.decode(rows, tokens)
     got = np.asarray(eng.last_mass)
     assert (got[1] == 0).all()
-    np.testing.assert_allclose(np.delete(got, 1, 0).sum(-1),
-                               config.num_layers * config.num_kv_heads, rtol=1e-5)
+    np.testing.assert_allclose(np.delete(got, 1, 0).sum(-1), 1.0, rtol=1e-5)
 
 
 def test_record_attention_accumulates_per_step_mass(model):
-    """N decode steps (two crossing a block boundary, one with a padding row): attn_mass read
-    through the tables == the sum of the steps' masses; untouched blocks stay zero; the
-    invariants hold."""
+    """N decode steps (two crossing a block boundary, one with a padding row): head_mass read
+    through the tables == the sum of the steps' masses per layer and KV head, attn_mass == its
+    sum over them; untouched blocks stay zero; the invariants hold."""
     config, params = model
     eng = _engine(config, params, record=True)
     ids, tokens = _admitted(eng)
-    want = np.zeros((len(ids), 8 * P), np.float32)
+    want = np.zeros((len(ids), config.num_layers, config.num_kv_heads, 8 * P), np.float32)
     for step in range(4):
         rows = ids.copy()
         if step == 2:
@@ -157,13 +158,17 @@ def test_record_attention_accumulates_per_step_mass(model):
     lengths = np.asarray(eng.state.seqs.seq_lens)[ids]
     tables = np.asarray(eng.state.seqs.block_tables)[ids]
     acc = np.asarray(eng.state.blocks.attn_mass)
+    heads = np.asarray(eng.state.blocks.head_mass)  # [NB, P, L, Hkv]
     seen = np.zeros(acc.shape[0], bool)
     for b in range(len(ids)):
         i = np.arange(lengths[b])
-        np.testing.assert_allclose(acc[tables[b, i // P], i % P], want[b, i], rtol=1e-6, atol=0)
-        assert (want[b, lengths[b]:] == 0).all()
+        np.testing.assert_allclose(heads[tables[b, i // P], i % P],
+                                   want[b, ..., i], rtol=1e-6, atol=0)  # [len, L, Hkv]
+        np.testing.assert_allclose(acc[tables[b, i // P], i % P], want[b, ..., i].sum((1, 2)),
+                                   rtol=1e-5, atol=0)
+        assert (want[b, ..., lengths[b]:] == 0).all()
         seen[tables[b, : -(-lengths[b] // P)]] = True
-    assert (acc[~seen] == 0).all()
+    assert (acc[~seen] == 0).all() and (heads[~seen] == 0).all()
     assert acc.sum() == pytest.approx(want.sum(), rel=1e-6)
 
 
@@ -184,6 +189,7 @@ def test_option_off_changes_nothing(model):
         if not record:
             assert eng.last_mass is None
             assert not np.asarray(eng.state.blocks.attn_mass).any()
+            assert not np.asarray(eng.state.blocks.head_mass).any()
     for a, b in zip(runs[False], runs[True]):
         np.testing.assert_array_equal(a, b)
 
@@ -228,7 +234,8 @@ def _mixed_and_oracle(mixed_model, layout, backend="auto"):
 def test_mixed_pool_mass_matches_single_pool_and_dense(mixed_model, layout):
     """A table mixing pool-0 and compressed blocks (`test_mixed_pools`' surgery): the merged
     mass by table column == the dequantized single-pool oracle's, and == the dense softmax; rows
-    sum to layers * KV heads (so the pools' weights are their shares of the merged softmax)."""
+    sum to 1 per layer and KV head (so the pools' weights are their shares of the merged
+    softmax)."""
     config = mixed_model[0]
     mixed, oracle, ids = _mixed_and_oracle(mixed_model, layout)
     tokens = np.array([3, 1, 4], np.int32)
@@ -238,8 +245,7 @@ def test_mixed_pool_mass_matches_single_pool_and_dense(mixed_model, layout):
         got, want = np.asarray(mixed.last_mass), np.asarray(oracle.last_mass)
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
         np.testing.assert_allclose(got, _dense_mass(oracle, ids, tokens), rtol=0, atol=ATOL)
-        np.testing.assert_allclose(got.sum(-1), config.num_layers * config.num_kv_heads,
-                                   rtol=1e-5)
+        np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-5)
         MP._close(np.asarray(lm), np.asarray(lo))
         tokens = np.asarray(lo).argmax(-1).astype(np.int32)
     # the recorded mass lands on the compressed blocks too (by their global ids)

@@ -86,3 +86,16 @@ def fresh(config=TINY, tenants=((100, 8 * BLOCK, None), (100, 8 * BLOCK, None)))
 
 def with_tenants(config, n):
     return dataclasses.replace(config, num_tenants=n)
+
+
+def whole_array_copies(hlo_text: str, leading) -> list[str]:
+    """Lines of compiled HLO that copy a whole array whose leading dimensions are one of
+    `leading` (e.g. the pool's block count, or "37,29" for a [S, MB] table): what a donated
+    core must not do. An array with no elements (a metadata-only state's head_mass,
+    [NB, P, 0, 0]) moves no bytes and is left out."""
+    import re
+
+    big = re.compile(r"= \w+\[(%s)[\],].*\bcopy\(" % "|".join(map(str, leading)))
+    empty = re.compile(r"= \w+\[[\d,]*\b0\b[\d,]*\]")
+    return [line.strip() for line in hlo_text.splitlines()
+            if big.search(line) and not empty.search(line)]

@@ -8,7 +8,6 @@ exact; donated cores update it in place; and the checker catches each kind of co
 import collections
 import dataclasses
 import functools
-import re
 
 import jax
 import numpy as np
@@ -29,7 +28,7 @@ from kvquota.hashing import block_hash, salt_root
 from kvquota.prefix_index import EMPTY, TOMB, home, home_count, rebuild
 from kvquota.sentinel import INVALID
 from kvquota.state import StateConfig
-from tests.state.common import BLOCK, TINY, TINY_MODEL, prompts, with_tenants
+from tests.state.common import BLOCK, TINY, TINY_MODEL, prompts, whole_array_copies, with_tenants
 
 COLLIDE = dataclasses.replace(with_tenants(TINY, 3), hash_bits=2)  # 16 keys per salt
 COLD = dataclasses.replace(COLLIDE, keep_cold_blocks=True)
@@ -501,11 +500,9 @@ def test_donated_cores_update_the_index_in_place(keep_cold):
         "drop_cold": (cold.drop_cold_core, (np.int32(2), 2)),
     }
     sizes = sorted({2 * home_count(config), config.total_blocks, config.num_blocks})
-    big = re.compile(r"= \w+\[(%s)[\],].*\bcopy\(" % "|".join(map(str, sizes)))
     for name, (op, args) in calls.items():
         if keep_cold is False and name == "drop_cold":
             continue  # nothing is ever cold
         fn = op.jitted(donate=True)
-        text = fn.lower(config, state, *args).compile().as_text()
-        copies = [line.strip() for line in text.splitlines() if big.search(line)]
+        copies = whole_array_copies(fn.lower(config, state, *args).compile().as_text(), sizes)
         assert not copies, (name, copies[:3])

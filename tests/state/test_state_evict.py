@@ -1,5 +1,6 @@
 """Eviction with compaction: exactly the chosen tokens survive, packed into full blocks at their
-logical positions; shared blocks are copied on write; every registered policy keeps exactly its
+logical positions, per layer and KV head by default (each head its own tokens) or one set for the
+whole model; shared blocks are copied on write; every registered policy keeps exactly its
 top-scored tokens and leaves a consistent state."""
 
 import jax
@@ -10,12 +11,13 @@ import pytest
 from kernels import paged_attention as pa
 from kvquota import errors as E
 from kvquota.policies import REGISTRY, TokenView, get_policy
-from kvquota.sentinel import INVALID
+from kvquota.sentinel import INVALID, PER_HEAD_TOKEN
 from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts, seq_tokens, snapshot
 from tests.state.test_state_tiers import _ints, _seq_pages, _with_pages
 
 P = TINY.block_size
 WIDTH = TINY.max_tokens_per_seq
+LAYERS, HEADS = TINY.model.num_layers, TINY.model.num_kv_heads
 
 
 
@@ -43,8 +45,8 @@ def test_attention_after_eviction_equals_dense_attention_over_the_kept_tokens():
     before = _seq_pages(s, 0)
     mass = np.zeros((2, WIDTH), np.float32)
     mass[0, :7] = [5, 0, 4, 0, 3, 0, 1]
-    s, _ = alloc.record_attention(s, [0, INVALID], mass)
-    s, rep = alloc.evict(s, [0, INVALID], policy="h2o", keep_tokens=4)
+    s, _ = alloc.record_attention(s, [0, INVALID], mass)  # summed: a global choice
+    s, rep = alloc.evict(s, [0, INVALID], policy="h2o", keep_tokens=4, aggregate="global")
     alloc.check(s)
     kept = [0, 2, 4, 6]  # the heavy hitters
     assert _ints(rep.evicted_tokens) == [3, 0]
@@ -94,31 +96,36 @@ def test_an_evicted_sequence_appends_but_is_no_lookup_target():
     assert int(r.hit_blocks[0]) == 0
 
 
-def _view(lengths, seed=0):
+def _view(lengths, seed=0, heads=(LAYERS, HEADS)):
     rng = np.random.default_rng(seed)
-    b = len(lengths)
-    valid = np.arange(WIDTH)[None, :] < np.asarray(lengths)[:, None]
-    mass = np.where(valid, rng.random((b, WIDTH)), 0).astype(np.float32)
+    shape = (len(lengths),) + heads + (WIDTH,)
+    valid = np.arange(WIDTH) < np.asarray(lengths)[:, None, None, None]
+    mass = np.where(valid, rng.random(shape), 0).astype(np.float32)
     return TokenView(lengths=jnp.asarray(lengths, jnp.int32), mass=jnp.asarray(mass),
-                     key_norm=jnp.asarray(rng.random((b, WIDTH)), jnp.float32),
-                     last_attention=jnp.asarray(rng.random((b, WIDTH)), jnp.float32))
+                     key_norm=jnp.asarray(rng.random(shape), jnp.float32),
+                     last_attention=jnp.asarray(rng.random(shape), jnp.float32))
 
 
+@pytest.mark.parametrize("heads", [(LAYERS, HEADS), (1, 1)], ids=["per-head", "global"])
 @pytest.mark.parametrize("name", sorted(REGISTRY))
-def test_every_policy_keeps_exactly_its_top_scored_tokens(name):
+def test_every_policy_keeps_exactly_its_top_scored_tokens(name, heads):
+    """In every (layer, head): exactly min(keep, length) tokens, the recent one among them, and
+    no dropped token scored above a kept one."""
     policy = get_policy(name, recent=1)
-    view = _view([7, 3])
+    view = _view([7, 3], heads=heads)
     keep = np.asarray(policy.keep_mask(view, jnp.asarray([4, 5], jnp.int32)))
-    score = np.asarray(policy.score(view))
+    score = np.broadcast_to(np.asarray(policy.score(view)), keep.shape)
+    assert keep.shape == (2,) + heads + (WIDTH,)
     for b, n in enumerate([7, 3]):
         k = min([4, 5][b], n)
-        assert keep[b].sum() == k and not keep[b, n:].any()
-        assert keep[b, n - 1]  # the recent window
-        rest = [i for i in range(n - 1)]
-        kept = [i for i in rest if keep[b, i]]
-        dropped = [i for i in rest if not keep[b, i]]
-        if kept and dropped:
-            assert min(score[b, kept]) >= max(score[b, dropped])
+        for layer, head in np.ndindex(*heads):
+            kh, sh = keep[b, layer, head], score[b, layer, head]
+            assert kh.sum() == k and not kh[n:].any()
+            assert kh[n - 1]  # the recent window
+            kept = [i for i in range(n - 1) if kh[i]]
+            dropped = [i for i in range(n - 1) if not kh[i]]
+            if kept and dropped:
+                assert min(sh[kept]) >= max(sh[dropped])
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -126,10 +133,118 @@ def test_every_policy_runs_through_the_state(name):
     alloc, s = fresh()
     s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7]), (1, [8, 9, 1, 2, 3])]))
     s = _with_pages(alloc, s)
-    attention = np.random.default_rng(1).random((2, WIDTH)).astype(np.float32)
+    rng = np.random.default_rng(1)
+    s, _ = alloc.record_attention(s, [0, 1], rng.random((2, LAYERS, HEADS, WIDTH)))
+    attention = rng.random((2, LAYERS, HEADS, WIDTH)).astype(np.float32)
     s, rep = alloc.evict(s, [0, 1], policy=name, keep_tokens=3, attention=attention)
     alloc.check(s)
     assert _ints(rep.evicted_tokens) == [4, 2] and _ints(s.seqs.seq_lens[:2]) == [3, 3]
+
+
+# ---- per layer and KV head -------------------------------------------------------------------
+
+
+def _top_k(score, length, keep, recent):
+    """NumPy reference of a policy's choice in one (layer, head): the `recent` last tokens,
+    then the highest scores, ties to the later token; sorted cache indices."""
+    order = sorted(range(length), key=lambda i: (i < length - recent, -score[i], -i))
+    return sorted(order[:min(keep, length)])
+
+
+def _head_pages(s, seq, layer, head):
+    """K and V rows [n, D] of one (layer, KV head) of a sequence, read through its table."""
+    table = np.asarray(s.seqs.block_tables[seq])
+    n = int(s.seqs.seq_lens[seq])
+    i = np.arange(n)
+    blk, off = table[i // P], i % P
+    return [np.asarray(getattr(s.pages[0], kv))[layer, head, blk, off] for kv in "kv"]
+
+
+def test_per_head_eviction_keeps_each_heads_own_tokens():
+    """H2O on per-head mass that differs per (layer, head): slot j of head h holds h's j-th
+    kept token (the NumPy reference's choice), K and V alike; the per-head mass moves with its
+    token and the summed mass is the heads' sum; rewritten blocks hold no token ids and are no
+    lookup target; the ledger frees the blocks the shorter table no longer needs."""
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7]), (1, [8, 9])]))
+    s = _with_pages(alloc, s, seed=4)
+    mass = np.zeros((2, LAYERS, HEADS, WIDTH), np.float32)
+    mass[0, ..., :7] = np.random.default_rng(2).permutation(LAYERS * HEADS * 7).reshape(
+        LAYERS, HEADS, 7) + 1.0  # distinct: every head its own ranking
+    s, _ = alloc.record_attention(s, [0, INVALID], mass)
+    before = snapshot(s)
+    other = _seq_pages(before, 1)
+    charged = int(alloc.ledger(s).device_bytes[0])
+    s, rep = alloc.evict(s, [0, INVALID], policy="h2o", keep_tokens=3, recent=1)
+    alloc.check(s)
+    assert _ints(rep.evicted_tokens) == [4, 0] and int(s.seqs.seq_lens[0]) == 3
+    assert int(s.seqs.positions[0]) == 7  # logical positions are kept
+    chosen = set()
+    for layer, head in np.ndindex(LAYERS, HEADS):
+        kept = _top_k(mass[0, layer, head], 7, 3, recent=1)
+        chosen.add(tuple(kept))
+        k_before, v_before = _head_pages(before, 0, layer, head)
+        k_after, v_after = _head_pages(s, 0, layer, head)
+        np.testing.assert_array_equal(k_after, k_before[kept])
+        np.testing.assert_array_equal(v_after, v_before[kept])
+        table = np.asarray(s.seqs.block_tables[0])
+        got = np.asarray(s.blocks.head_mass)[table[np.arange(3) // P], np.arange(3) % P,
+                                              layer, head]
+        np.testing.assert_array_equal(got, mass[0, layer, head, kept])
+    assert len(chosen) > 1  # the heads did choose differently
+    table = np.asarray(s.seqs.block_tables[0])
+    i = np.arange(3)
+    heads_sum = np.asarray(s.blocks.head_mass)[table[i // P], i % P].sum((1, 2))
+    np.testing.assert_allclose(np.asarray(s.blocks.attn_mass)[table[i // P], i % P], heads_sum,
+                               rtol=1e-6)
+    tokens = np.asarray(s.blocks.token_ids)[table[:2]].ravel()
+    assert (tokens[:3] == PER_HEAD_TOKEN).all() and tokens[3] == INVALID  # 3 held slots
+    assert not np.asarray(s.blocks.hashed)[table[:2]].any()
+    assert _same_tokens(_seq_pages(s, 1), other)
+    assert int(alloc.ledger(s).device_bytes[0]) == charged - 2 * BLOCK  # 4 blocks -> 2
+    assert rep.pool_bytes_returned == 2 * BLOCK
+
+
+def test_per_head_attention_equals_dense_attention_over_each_heads_tokens():
+    """After a per-head eviction, paged decode attention in every layer equals dense attention
+    where each KV head attends over its own kept tokens."""
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7])]))
+    s = _with_pages(alloc, s, seed=5)
+    mass = np.zeros((2, LAYERS, HEADS, WIDTH), np.float32)
+    mass[0, ..., :7] = np.random.default_rng(6).random((LAYERS, HEADS, 7)) + 0.1
+    s, _ = alloc.record_attention(s, [0, INVALID], mass)
+    before = snapshot(s)
+    s, _ = alloc.evict(s, [0, INVALID], policy="snapkv", keep_tokens=4, kernel=3)
+    alloc.check(s)
+    keep = np.asarray(get_policy("snapkv", kernel=3).keep_mask(
+        TokenView(lengths=jnp.asarray([7]), mass=jnp.asarray(mass[:1]), key_norm=None,
+                  last_attention=None), jnp.asarray([4])))[0]  # [L, H, C]
+    group = TINY.model.num_q_heads // HEADS
+    q = jax.random.normal(jax.random.key(1), (1, TINY.model.num_q_heads, TINY.model.head_dim))
+    for layer in range(LAYERS):
+        got = pa.decode(q, s.pages[0].k[layer], s.pages[0].v[layer], s.seqs.block_tables[:1],
+                        s.seqs.seq_lens[:1], backend="reference")[0]
+        for head in range(HEADS):
+            kept = np.flatnonzero(keep[layer, head])
+            k, v = (a[kept] for a in _head_pages(before, 0, layer, head))
+            qh = np.asarray(q[0, head * group:(head + 1) * group])
+            w = jax.nn.softmax(qh @ k.T / np.sqrt(k.shape[-1]), axis=-1)
+            np.testing.assert_allclose(np.asarray(got[head * group:(head + 1) * group]),
+                                       np.asarray(w @ v), rtol=1e-5, atol=1e-6)
+
+
+def test_heads_that_agree_keep_their_token_ids_and_evicted_sequences_append():
+    """StreamingLLM chooses by position, the same tokens in every head: the rewritten blocks
+    keep their token ids; the sequence then appends."""
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7])]))
+    s = _with_pages(alloc, s)
+    s, _ = alloc.evict(s, [0, INVALID], policy="streamingllm", keep_tokens=3, sinks=1)
+    assert seq_tokens(s, 0, P) == [1, 6, 7]
+    s, r = alloc.append(s, [0, INVALID], [8, 0])
+    alloc.check(s)
+    assert bool(r.appended[0]) and seq_tokens(s, 0, P) == [1, 6, 7, 8]
 
 
 def test_block_mode_drops_whole_blocks_without_copying_own_blocks():
@@ -177,6 +292,15 @@ BAD = [
      lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=0)),
     ("tova without attention", E.InvalidArgumentError,
      lambda a, s: a.evict(s, [0], policy="tova", keep_tokens=2)),
+    ("per-head tova with summed attention", E.InputShapeError,
+     lambda a, s: a.evict(s, [0], policy="tova", keep_tokens=2,
+                          attention=np.ones((1, WIDTH), np.float32))),
+    ("unknown aggregate", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=2, aggregate="layer")),
+    ("per-head whole blocks", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=2, mode="block", aggregate="head")),
+    ("per-head h2o on summed mass", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=2)),
     ("a free slot", E.UnknownSequenceError, lambda a, s: a.evict(s, [3], policy="h2o",
                                                                  keep_tokens=2)),
     ("a sequence with compressed blocks", E.TierError,
@@ -189,6 +313,7 @@ def test_bad_evict_raises_and_leaves_state_unchanged(name, error, call):
     alloc, s = fresh()
     s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5]), (1, [6, 7, 8, 9, 1])]))
     s, _ = alloc.compress(s, [1, INVALID], kv_format="int8", keep_recent=0, max_blocks=1)
+    s, _ = alloc.record_attention(s, [0, INVALID], np.ones((2, WIDTH), np.float32))  # summed
     before = snapshot(s)
     with pytest.raises(error):
         call(alloc, s)

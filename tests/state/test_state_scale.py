@@ -10,7 +10,7 @@ from experiments.bench_reclaim import PythonPool, same_result
 from kvquota.allocator import Allocator
 from kvquota.builder import SyntheticSpec, build_state
 from kvquota.state import StateConfig
-from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts
+from tests.state.common import BLOCK, TINY, fresh, leaves_equal, prompts, whole_array_copies
 
 QWEN72 = get_model_config("qwen2.5-72b")
 
@@ -102,7 +102,6 @@ def test_donated_cores_update_in_place():
     """No whole-array copy of a per-block array or of the block table in the compiled donated
     cores (what makes a serving step or a release cost O(rows touched), not O(pool)). Fork still
     copies the [S, MB] table once (it is not on the per-step path)."""
-    import re
 
     from kvquota.core import admission, pins, release
 
@@ -121,10 +120,9 @@ def test_donated_cores_update_in_place():
         "free_16_columns": (release.drop_core.jitted(donate=True), (i32([0, 1]), heirs, None, 0, 16)),
         "release_unpin": (release.drop_core.jitted(donate=True), (i32([0, 1]), None, np.int32(0), 4)),
     }
-    big = re.compile(r"= \w+\[(%d|37,29)[\],].*\bcopy\(" % config.total_blocks)
     for name, (fn, args) in calls.items():
-        text = fn.lower(config, state, *args).compile().as_text()
-        copies = [line.strip() for line in text.splitlines() if big.search(line)]
+        copies = whole_array_copies(fn.lower(config, state, *args).compile().as_text(),
+                                    (config.total_blocks, "37,29"))
         assert not copies, (name, copies[:3])
 
 
@@ -133,7 +131,6 @@ def test_donated_reclaim_cores_update_in_place():
     read of `generation` (relinking moved blocks) or `fill` (archiving tokens) ordered before
     settle's writes, so no per-block array is copied. (The eviction cores still copy a few:
     their rewrite is issue 46's.)"""
-    import re
 
     from kvquota.core import compress, lifecycle, tiers
 
@@ -150,11 +147,9 @@ def test_donated_reclaim_cores_update_in_place():
         "compress": (compress.compress_core, (i32([0, 1]), scores, i32([5, 5]), np.int32(0), 1)),
         "preempt": (lifecycle.preempt_core, (i32([0, 1]), None)),
     }
-    big = re.compile(r"= \w+\[(%d|%d|37,29)[\],].*\bcopy\(" % (config.total_blocks,
-                                                            config.num_blocks))
     for name, (core, args) in calls.items():
         text = core.jitted(donate=True).lower(config, state, *args).compile().as_text()
-        copies = [line.strip() for line in text.splitlines() if big.search(line)]
+        copies = whole_array_copies(text, (config.total_blocks, config.num_blocks, "37,29"))
         assert not copies, (name, copies[:3])
 
 
