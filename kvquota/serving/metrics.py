@@ -167,7 +167,8 @@ def run_summary(requests, records, counters, *, steps: int, drift_max: int, even
     decode = [r for r in records if r["decode_rows"] and not r["prefill_rows"] and
               not r["facade_calls"]]
     total = counters.total
-    return {"steps": steps, "requests": dict(collections.Counter(r.status for r in requests)),
+    return {"steps": steps,
+            "requests": dict(collections.Counter(str(r.status) for r in requests)),
             "finishes": dict(collections.Counter(r.finish for r in requests if r.finish)),
             "preemptions": int(total["preemptions"]), "suspensions": int(total["suspensions"]),
             "refusals": dict(counters.refusals_total),

@@ -117,7 +117,8 @@ class Request:
                 "planned_resume_bytes", "paid_resume_bytes", "cached_tokens", "refusals",
                 "admitted_step", "first_refused", "finished_step", "arrival_s",
                 "first_token_s", "finish_s")
-        return {k: getattr(self, k) for k in keys} | {"prompt_tokens": len(self.prompt)}
+        return {k: getattr(self, k) for k in keys} | {"status": str(self.status),
+                                                      "prompt_tokens": len(self.prompt)}
 
 
 @dataclasses.dataclass(eq=False)

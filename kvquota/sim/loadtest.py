@@ -36,7 +36,7 @@ from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
 from kvquota.serving.executors import (H200_BF16_FLOPS, H200_HBM_BANDWIDTH, CostModelExecutor,
                                        weight_count)
-from kvquota.serving.requests import Event, Request, Session
+from kvquota.serving.requests import Event, Request, RequestStatus, Session
 from kvquota.serving.scheduler import Scheduler
 from kvquota.sim.traces import Trace, prompt_ids, system_prompt_ids
 from kvquota.state import StateConfig
@@ -171,7 +171,7 @@ def quotas(sc: StateConfig, share: float) -> dict:
 def ended(r: Request) -> bool:
     """Finished or refused, its sequence slot freed (a session's next turn, if any, was built
     from it): the scheduler reads nothing of it any more."""
-    return r.status in ("finished", "refused") and r.seq == INVALID
+    return r.status in (RequestStatus.FINISHED, RequestStatus.REFUSED) and r.seq == INVALID
 
 
 class Replay:
@@ -322,7 +322,7 @@ class Replay:
         self._watched = len(s.requests)
         while heap:  # due or no longer waiting: off the heap (admitted ones never come back)
             r = s.requests[heap[0][1]]
-            waiting = r.status in ("pending", "queued") and not r.tokens
+            waiting = r.status in (RequestStatus.PENDING, RequestStatus.QUEUED) and not r.tokens
             if waiting and heap[0][0] > self.now():
                 return heap[0][0]
             heapq.heappop(heap)
@@ -394,9 +394,9 @@ class Replay:
                        self.clock_at[min(r.arrival, len(self.clock_at) - 1)])
             ttft = r.first_token_s - arrived if r.first_token_s >= 0 else None
             tpot = ((r.finish_s - r.first_token_s) / (n - 1)
-                    if r.status == "finished" and n > 1 else None)
+                    if r.status == RequestStatus.FINISHED and n > 1 else None)
             out.append({"policy": self.policy, "id": tid, "tenant": r.tenant, "turn": r.turn,
-                        "status": r.status, "finish": r.finish, "prompt_tokens": len(r.prompt),
+                        "status": str(r.status), "finish": r.finish, "prompt_tokens": len(r.prompt),
                         "output_tokens": n, "max_new_tokens": r.max_new_tokens,
                         "arrival_s": arrived, "ttft_s": ttft, "tpot_s": tpot,
                         "finish_s": r.finish_s if r.finish_s >= 0 else None,
