@@ -23,7 +23,7 @@ import kvquota.sim.loadtest as lt
 from kvquota.allocator import Allocator
 from kvquota.codes import REASONS
 from kvquota.serving import quota_view
-from kvquota.serving import scheduler as scheduler_module
+from kvquota.serving.scheduler import Scheduler
 
 import default_trace  # scripts/default_trace.py
 
@@ -56,8 +56,8 @@ def main():
         context["sure"] = set(out)
         return out
 
-    def admit_batch(sched, batch):
-        out = original_batch(sched, batch)
+    def admission_call(sched, batch):
+        out = original_call(sched, batch)
         phase = "after_cut" if sched.clock >= first_cut else "before_cut"
         for i, (reason, _, _) in enumerate(out):
             where = "host" if i in context["sure"] else "device"
@@ -68,7 +68,7 @@ def main():
     original_admit, Allocator.admit = Allocator.admit, admit
     original_sure, quota_view.QuotaView.sure_refusals = (quota_view.QuotaView.sure_refusals,
                                                          sure_refusals)
-    original_batch, scheduler_module.admit_batch = quota_view.admit_batch, admit_batch
+    original_call, Scheduler._admission_call = Scheduler._admission_call, admission_call
     replay = lt.Replay(dataclasses.replace(cfg, max_steps=steps), trace, policy)
     replay.run()
     out = {"command": " ".join(["python", "scripts/admission_rows.py"] + sys.argv[1:]),

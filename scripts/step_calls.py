@@ -57,11 +57,11 @@ def main():
     executors._cost_step = timed("cost_step", executors._cost_step)
     original_step = Scheduler.step
 
-    def step(sched, *args):
+    def step(sched, *args, **kwargs):
         phase = phases["after_cut" if sched.clock >= first_cut else "before_cut"]
         step_calls.clear()
         start = time.perf_counter()
-        out = original_step(sched, *args)
+        out = original_step(sched, *args, **kwargs)
         phase["wall_s"].append(time.perf_counter() - start)
         phase["calls"].update(step_calls)
         return out

@@ -83,3 +83,51 @@ def test_every_core_is_a_named_donating_jit():
                 cores[f"{info.name}.{attr}"] = value.name
     assert len(cores) == 18, sorted(cores)
     assert len(set(cores.values())) == len(cores)  # one version tag per core
+
+
+# Bases a class in kvquota/serving/ may name: plain data and enums. The engines' and the
+# executors' shared base classes (one base each, the subclasses standalone implementations of one
+# interface) are listed by name: they are base classes, not mixins joined through `self`.
+PLAIN_BASES = {"object", "Enum", "IntEnum", "StrEnum", "NamedTuple"}
+SHARED_BASES = {"_Engine": "kvquota/serving/engine.py", "_Executor": "kvquota/serving/executors.py"}
+
+
+def _base_name(node: ast.expr) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", ast.unparse(node))
+
+
+def test_no_mixins_in_serving():
+    """No class in kvquota/serving/ is put together from mixins (STYLE.md: components that own
+    their state, not one class over several files): each class has at most one base, which is
+    object, an enum or a NamedTuple (dataclasses are decorated, not derived), or one of the two
+    shared bases, which derive from nothing themselves."""
+    bad = []
+    for path in (ROOT / "kvquota" / "serving").rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [_base_name(b) for b in node.bases]
+            allowed = PLAIN_BASES | (set() if node.name in SHARED_BASES else set(SHARED_BASES))
+            if len(bases) > 1 or not set(bases) <= allowed or \
+                    (node.name in SHARED_BASES and SHARED_BASES[node.name] != rel):
+                bad.append((rel, node.name, bases))
+    assert not bad, bad
+
+
+def test_the_scheduler_is_one_class():
+    from kvquota.serving import Scheduler, WaitQueue
+
+    assert Scheduler.__bases__ == (object,) and WaitQueue.__bases__ == (object,)
+
+
+def test_sim_never_touches_the_schedulers_private_attributes():
+    """The load test drives the scheduler through its public methods only: no `sched._x`,
+    `scheduler._x` (or `s._x`, its local name) anywhere in kvquota/sim/."""
+    import re
+
+    pattern = re.compile(r"\b(sched|scheduler|s)\._\w")
+    bad = [(str(p.relative_to(ROOT)), n, line.strip())
+           for p in (ROOT / "kvquota" / "sim").rglob("*.py")
+           for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not bad, bad

@@ -20,10 +20,13 @@ __all__ = [
 
 # ---- the multi-tenant scheduler (issue #11) ------------------------------------------------------
 from kvquota.serving.executors import CostModelExecutor, ModelExecutor, StepBatch, StepOutput
-from kvquota.serving.metrics import Event, JsonLines, Request, Session, read_json_lines
-from kvquota.serving.scheduler import Scheduler
+from kvquota.serving.metrics import JsonLines, read_json_lines
+from kvquota.serving.requests import Event, Request, RequestStatus, Session
+from kvquota.serving.scheduler import Scheduler, StepPlan
+from kvquota.serving.waiting import WaitQueue
 
 __all__ += [
     "CostModelExecutor", "ModelExecutor", "StepBatch", "StepOutput", "Event", "JsonLines",
-    "Request", "Session", "read_json_lines", "Scheduler",
+    "Request", "RequestStatus", "Session", "read_json_lines", "Scheduler", "StepPlan",
+    "WaitQueue",
 ]

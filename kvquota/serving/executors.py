@@ -11,7 +11,8 @@ variants), and an executor runs it:
     forward and sampling are fused in one jitted call that donates the state.
   * `CostModelExecutor`: a metadata-only state; the same append, no model. Its step time is
     modelled: weights and KV bytes read over the HBM bandwidth, prefill tokens at a prefill rate,
-    host transfers over the host bandwidth (H200 defaults).
+    host transfers over the host bandwidth (H200 defaults). It also runs a scheduling pass of K
+    steps in one call (`run_pass`, multi-step scheduling: `Scheduler(steps_per_pass=K)`).
 
 Both read back one int32 vector per step: the sampled tokens, the append outcome and the ledger
 columns the metrics need (charged blocks per tenant and pool, used tokens, free blocks), so the
@@ -279,6 +280,34 @@ def _cost_step(state, *rows, config):  # one cost-model step in one call that do
     return state, flat
 
 
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def _cost_pass(state, dec_seq, dec_tok, dec_key, dec_count, dec_pools, pre_seq, pre_key,
+               pre_pools, *, config):
+    """K cost-model steps in one call (K = pre_seq.shape[0]; a scheduling pass of multi-step
+    scheduling, vLLM's `num_scheduler_steps` idea): at step j the
+    decode rows with dec_count > j that no earlier step refused append a token (at j = 0 their
+    pending `dec_tok`, after that the token step j - 1 sampled for them, as K separate steps
+    would), and the prefill rows pre_seq[j] are read. Returns (state, i32[K, L]: each step's
+    vector, see `unpack_step`)."""
+    vocab = config.model.vocab_size
+
+    def step(carry, xs):
+        state, stopped = carry
+        j, p_seq, p_key, p_pools = xs
+        active = (dec_count > j) & ~stopped
+        seq = jnp.where(active, dec_seq, INVALID)
+        key = dec_key.at[:, 1].add(j)
+        tok = jnp.where(j == 0, dec_tok, fake_tokens(key.at[:, 1].add(-1), vocab))
+        state, appended, flat = cost_step_core(config, state, seq, tok, key, p_seq, p_key,
+                                              jnp.concatenate([dec_pools, p_pools]))
+        return (state, stopped | (active & ~appended)), flat
+
+    k = pre_seq.shape[0]
+    xs = (jnp.arange(k, dtype=jnp.int32), pre_seq, pre_key, pre_pools)
+    (state, _), flats = jax.lax.scan(step, (state, jnp.zeros(dec_seq.shape, bool)), xs)
+    return state, flats
+
+
 class _Executor:
     """Shapes and sync counting shared by both executors.
 
@@ -428,3 +457,20 @@ class CostModelExecutor(_Executor):
         out.seconds = self.modelled_seconds(out.block_reads, batch.prefill_tokens,
                                             batch.host_bytes)
         return state, out
+
+    def run_pass(self, state, batch):
+        """A pass of K steps (a `planning.PassBatch`) in one call (donates `state`; `_cost_pass`
+        scans this executor's step over them, so the state is exactly what K single steps with
+        those rows leave) -> (state, [StepOutput] of the steps with rows, each with its modelled seconds; step 0's
+        counts the host bytes). One readback."""
+        b, bd = batch.first, len(batch.first.dec_seq)
+        state, flats = _cost_pass(state, b.dec_seq, b.dec_tok, b.dec_key, batch.dec_count,
+                                  b.row_pools[:bd], batch.pre_seq, batch.pre_key,
+                                  batch.pre_pools, config=self.state_config)
+        flats, outs = self.read(flats), []
+        for j in range(batch.steps):
+            out = unpack_step(self.state_config, flats[j], bd, batch.pre_seq.shape[1], 0.0)
+            out.seconds = self.modelled_seconds(out.block_reads, int(batch.pre_num[j].sum()),
+                                                b.host_bytes if j == 0 else 0)
+            outs.append(out)
+        return state, outs

@@ -1,6 +1,7 @@
-"""Which rows a step runs, and the steps of a scheduling pass (`kvquota.serving.passes`): the
-decode rows, the prefill chunks under the token budget, built into the executors' padded
-host batches (`executors.build_batch`)."""
+"""Which rows a scheduling pass of K steps runs (K = 1: a single step; K > 1: multi-step
+scheduling on the cost model, `Scheduler(steps_per_pass=K)`): the decode rows and how many
+tokens each may take, each step's prefill chunks under the token budget, built into the
+executors' padded host batches (`executors.build_batch`, and `PassBatch` for K > 1)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ import numpy as np
 
 from kvquota.sentinel import INVALID
 from kvquota.serving.executors import HostMirror, StepBatch, build_batch
+from kvquota.serving.requests import RequestStatus
 
 
 def step_rows(executor, live):
     """(decode requests: the running ones, oldest first, up to max_batch; prefilling requests,
-    oldest admission first): one pass over the live requests (hundreds)."""
-    dec, prefilling, waiting = [], [], []
+    oldest admission first): one pass over the live requests (hundreds; the suspended ones run
+    nothing)."""
+    dec, prefilling = [], []
     for r in live:
-        rows = dec if r.status == "running" else prefilling if r.status == "prefill" else waiting
-        rows.append(r)
+        if r.status == RequestStatus.RUNNING:
+            dec.append(r)
+        elif r.status == RequestStatus.PREFILL:
+            prefilling.append(r)
     return dec[: executor.max_batch], sorted(prefilling, key=lambda q: q.admitted)
 
 
@@ -34,18 +39,6 @@ def take_chunks(executor, prefilling, left: dict, budget: int) -> list:
             pre.append((r, min(left[r], executor.chunk_size, budget)))
             budget, left[r] = budget - pre[-1][1], left[r] - pre[-1][1]
     return pre
-
-
-def compose_step(executor, live, token_budget: int, mirror: HostMirror, host_bytes: int = 0):
-    """(StepBatch or None, decode requests, [(prefill request, chunk length)]) for this step:
-    every running request decodes one token; the rest of the token budget goes to prefill
-    chunks (`step_rows`, `take_chunks`)."""
-    dec, prefilling = step_rows(executor, live)
-    left = {r: len(r.context) - r.prefilled for r in prefilling}
-    pre = take_chunks(executor, prefilling, left, token_budget - len(dec))
-    if not dec and not pre:
-        return None, dec, pre
-    return build_batch(executor, dec, pre, mirror, host_bytes), dec, pre
 
 
 @dataclasses.dataclass
@@ -70,12 +63,13 @@ class PassBatch:
 
 
 def compose_pass(executor, live, token_budget: int, mirror: HostMirror, host_bytes: int,
-                 steps: int, limit: int):
-    """(PassBatch or None, decode requests, their token counts i32[rows], [[(prefill request,
-    chunk length)] per step]) for a pass of `steps` steps, at most `limit` of them with rows.
-    The decode rows are `compose_step`'s; each decodes min(limit, what it may still generate:
-    max_new_tokens, the table, the context) tokens, one if it has stop ids (the pass cannot see
-    a stop token). Each step's chunks (`take_chunks`) come from what the earlier steps left,
+                 limit: int):
+    """(step 0's StepBatch or None when no row runs, decode requests, their token counts
+    i32[rows], [[(prefill request, chunk length)] per step]) for a pass of at most `limit` steps
+    with rows. The decode rows are every running request, oldest first (`step_rows`); each
+    decodes min(limit, what it may still generate: max_new_tokens, the table, the context)
+    tokens, one if it has stop ids (a pass cannot see a stop token), so at limit 1 every row
+    decodes one token. Each step's chunks (`take_chunks`) come from what the earlier steps left,
     with that step's decode rows counted against the budget."""
     dec, prefilling = step_rows(executor, live)
     c = executor.state_config
@@ -90,14 +84,20 @@ def compose_pass(executor, live, token_budget: int, mirror: HostMirror, host_byt
     k = max(int(counts.max(initial=0)), max((j + 1 for j, p in enumerate(pres) if p), default=0))
     if not k:
         return None, dec, counts, []
-    first, pres = build_batch(executor, dec, pres[0], mirror, host_bytes), pres[:k]
+    return build_batch(executor, dec, pres[0], mirror, host_bytes), dec, counts, pres[:k]
+
+
+def pass_batch(first: StepBatch, counts, pres, mirror: HostMirror, steps: int) -> PassBatch:
+    """The PassBatch of a pass of `steps` steps from `compose_pass`'s rows (step 0's batch
+    `first`, the decode rows' counts, each step's chunks); the steps past len(pres) are
+    padding. Needs a pool-counting mirror (the cost model's)."""
     bd, bp = len(first.dec_seq), len(first.pre_seq)
     b = PassBatch(first, np.zeros(bd, np.int32), np.full((steps, bp), INVALID, np.int32),
                   np.zeros((steps, bp, 2), np.int32), np.zeros((steps, bp), np.int32),
-                  np.zeros((steps, bp, mirror.pools.shape[1]), np.int32), k)
-    b.dec_count[: len(dec)] = counts
+                  np.zeros((steps, bp, mirror.pools.shape[1]), np.int32), len(pres))
+    b.dec_count[: len(counts)] = counts
     for j, pre in enumerate(pres):
         for i, (r, n) in enumerate(pre):
             b.pre_seq[j, i], b.pre_num[j, i], b.pre_key[j, i] = r.seq, n, (r.id, len(r.tokens))
             b.pre_pools[j, i] = mirror.pools[r.seq]
-    return b, dec, counts, pres
+    return b

@@ -2,9 +2,10 @@
 
 A refused admission row costs the device as much as an accepted one (its prompt is hashed and
 looked up before the quota check), and a tenant cut far below its holdings is tried again at
-every step that frees one of its sequences (`Parking`), each time with all its queue heads.
-`admit_batch` keeps the scheduler's rows and their order, but sends to the device only the
-rows whose refusal is not certain; the others get, on the host, the refusal and reason
+every step that frees one of its sequences (`waiting.Parking`), each time with all its queue heads.
+The scheduler's admission call (`Scheduler._admission_call`) keeps its rows and their order,
+but sends to the device only the rows whose refusal is not certain (`QuotaView.sure_refusals`);
+the others get, on the host, the refusal and reason
 `core.admission._decide` would give. A row is certain to be refused, in `_decide`'s order, when
 
   its prompt's n tokens > token_quota - used_tokens          -> over token quota, else
@@ -35,11 +36,8 @@ import jax
 import numpy as np
 
 from kvquota.codes import REFUSED_BYTE_QUOTA, REFUSED_GROWING, REFUSED_TOKEN_QUOTA
-from kvquota.sentinel import INVALID
-from kvquota.serving.executors import bucket
 
 QUOTA_OPS = ("register_tenant", "set_quota", "apply_plan")  # ops that may change quotas or flags
-FREEING_OPS = ("free", "preempt")  # ops that free sequences (args[0]: their slots)
 QUOTA_REFUSALS = (REFUSED_TOKEN_QUOTA, REFUSED_BYTE_QUOTA, REFUSED_GROWING)
 
 
@@ -111,83 +109,3 @@ class QuotaView:
             else:
                 sent[t] += n
         return out
-
-
-class Parking:
-    """The tenants whose queued requests an admission skips, each until something may make room.
-
-    * Refused over a quota (tokens, bytes, growing): until a quota change or a reclaim
-      (`QUOTA_OPS`), a free or preemption of one of its own sequences, or a new request among
-      its queue heads. Nothing else lowers its use. (A prefix that another tenant of its group
-      writes meanwhile can lower a row's need, since a hit on a held block is not charged; the
-      next of those retries finds it.) Retrying at anyone's free, as before, let a cut tenant's
-      refused backlog, the oldest heads, fill most of each admission's rows at every step,
-      ahead of the other tenants' newer requests.
-    * Refused for the pool or the sequence slots: until anyone's free.
-    * An append refused: parked the same way, after the preemption that made room for the
-      tenant's running requests. That room is for them to grow into; a request re-admitted into
-      it would be preempted again at the next block boundary. (vLLM's v0 scheduler likewise
-      swaps nothing in at a step that preempted.)
-
-    The scheduler parks the oldest suspended request's refused restore in a second one: only the
-    same ops can make its room (and any event ends that park: what is hopeless depends on them).
-    """
-
-    def __init__(self):
-        self.on_quota = {}  # tenant -> parked on its own quota (False: on the pool or slots)
-
-    def tenants(self) -> set:
-        return set(self.on_quota)
-
-    def refused(self, tenant: int, reason: int):
-        """A row of `tenant` was refused for `reason` (a pool refusal outweighs a quota one)."""
-        self.on_quota[tenant] = self.on_quota.get(tenant, True) and reason in QUOTA_REFUSALS
-
-    def release(self, tenant: int):
-        self.on_quota.pop(tenant, None)
-
-    def clear(self):
-        self.on_quota.clear()
-
-    def arrived(self, tenant: int, among_heads: bool):
-        """A request of `tenant` was queued; among the heads an admission tries, it may fit."""
-        if among_heads:
-            self.release(tenant)
-
-    def op(self, name: str, args, seq_tenant):
-        """A facade call `name(state, *args)` ran; seq_tenant: each slot's tenant (the host
-        mirror's, before the call)."""
-        if name in QUOTA_OPS:
-            self.clear()
-        elif name in FREEING_OPS:
-            freed = set(np.asarray(seq_tenant)[np.asarray(args[0], np.int64)].tolist())
-            self.on_quota = {t: q for t, q in self.on_quota.items() if q and t not in freed}
-
-
-def admit_batch(sched, rows) -> list:
-    """(reason, sequence slot, cached tokens) for each of a Scheduler's admission rows, in
-    order: the sure refusals from the view without a device call, the rest from one admit call
-    (padded to 4..max_admit rows and a power of two of tokens), its report read back. A row the
-    device refused leaves its missing blocks for its next try; an admitted one drops them (a
-    preempted request comes back with another context)."""
-    view = sched.quota
-    sched.syncs += view.read(sched.state)
-    sure = view.sure_refusals(rows)
-    at = [i for i in range(len(rows)) if i not in sure]  # the call's rows
-    out = {i: (reason, INVALID, 0) for i, reason in sure.items()}
-    if at:
-        b = bucket(len(at), sched.max_admit, floor=4)
-        ten, lens = np.full(b, INVALID, np.int32), np.zeros(b, np.int32)
-        tok = np.zeros((b, bucket(max(len(rows[i].context) for i in at),
-                                  sched.config.max_tokens_per_seq)), np.int32)
-        for j, i in enumerate(at):
-            r = rows[i]
-            ten[j], lens[j], tok[j, : len(r.context)] = r.tenant, len(r.context), r.context_ids()
-        rep = sched._read(sched._op("admit", ten, tok, lens))
-        for j, i in enumerate(at):
-            out[i] = (int(rep.reason[j]), int(rep.seq_id[j]), int(rep.cached_tokens[j]))
-            if rep.admitted[j]:
-                view.least.pop(rows[i], None)
-            else:
-                view.least[rows[i]] = int(rep.missing_blocks[j])
-    return [out[i] for i in range(len(rows))]

@@ -1,26 +1,38 @@
 """A multi-tenant serving scheduler: continuous batching over the functional state, with reclaim
-events while requests decode (DESIGN.md §1.6, §2 "Life of a request"). Each `step()` (1) frees
-last step's finished sequences (a session's turn goes IDLE, KV kept); (2) runs this step's events:
-a quota cut / lease expiry is plan_reclaim -> apply_plan, whose fates reach the requests
-(suspended ones are restored from host once room is back, preempted ones go to the front of their
-tenant's queue and are re-admitted, prefix-cache hits first, the rest recomputed by chunked
-prefill); a new tenant registers (and may make room), a burst submits requests (and may change
-quotas: a top-up); (3) admits queued requests (per-tenant FIFO, resumes first) in one facade
-call; (4) runs one executor step (one jitted call and one readback, checked against the host
-mirror): running requests decode a token, prefilling ones get chunks under the token budget;
-(5) records the step (serving.metrics). With `steps_per_pass` K > 1 (the cost model only) a
-`step()` is a pass of K steps in one call (multi-step scheduling: `serving.passes`). Appends
-refused for quota (pool) preempt the tenant's (anyone's) newest running requests until they
-would fit, as vLLM does (`serving.preemption`); a request alone and still refused ends with
+events while requests decode (DESIGN.md §1.6, §2 "Life of a request").
+
+A `step()` is `schedule()` -> execute -> `update(plan, outputs)`, as vLLM's scheduler does:
+
+* `schedule()` does the host work before the device runs and returns a `StepPlan` (plain data):
+  (1) it frees last step's finished sequences (a session's turn goes IDLE, KV kept, and its next
+  turn is submitted); (2) runs this step's events (`serving.events`): a quota cut / lease expiry
+  is plan_reclaim -> apply_plan, whose fates reach the requests (suspended ones are restored from
+  host once room is back, preempted ones go to the front of their tenant's queue and are
+  re-admitted, prefix-cache hits first, the rest recomputed by chunked prefill); a new tenant
+  registers (and may make room), a burst submits requests (and may change quotas: a top-up);
+  (3) moves the arrived requests into their tenants' queues (`serving.waiting.WaitQueue`) and
+  admits queued ones (per-tenant FIFO, resumes first) in one facade call; (4) picks the rows:
+  running requests decode, prefilling ones get chunks under the token budget (`planning`).
+* execute runs the plan: one executor step (one jitted call and one readback, checked against
+  the host mirror), or, with `steps_per_pass` K > 1 (the cost model only: multi-step
+  scheduling, vLLM's `num_scheduler_steps` idea), a pass of K steps in one call.
+* `update()` absorbs the outputs step by step: tokens, finishes and completed prefills at each
+  step's own step and clock, then the step's record (`serving.metrics`). A single step is a pass
+  of one step: the same code. In a pass of K > 1, what ends inside it (a finish, an append
+  refused) is seen at its end: frees, events, admissions and preemptions wait for the next pass,
+  and a row that finishes its prefill decodes from the next pass on; the point is the wall (the
+  per-step host work and device calls happen once per pass).
+
+Appends refused for quota (pool) preempt the tenant's (anyone's) youngest running requests until
+they would fit, as vLLM does (`serving.preemption`); a request alone and still refused ends with
 the reason. Every request ends finished (`finish` says why), refused (with the reason), or is
 still queued. Facade calls donate the state.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import time
-from itertools import islice
 from typing import Optional, Sequence
 
 import jax
@@ -29,25 +41,62 @@ import numpy as np
 from kvquota.allocator import Allocator
 from kvquota.codes import (FATE_COMPRESSED, FATE_EVICTED, FATE_PREEMPTED, FATE_RELEASED,
                            FATE_SUSPENDED, INT32_MAX, OK, REASONS, REFUSED_BYTE_QUOTA,
-                           REFUSED_POOL_FULL, SEQ_IDLE, SEQ_PREEMPTED, SEQ_RUNNING,
-                           SEQ_SUSPENDED)
+                           REFUSED_POOL_FULL, REFUSED_SEQ_FULL, SEQ_IDLE, SEQ_PREEMPTED,
+                           SEQ_RUNNING, SEQ_SUSPENDED)
 from kvquota.errors import (InvalidArgumentError, KVQuotaError, PoolFullError,
-                            QuotaExceededError)
+                            QuotaExceededError, UnknownTenantError)
 from kvquota.reclaim.plan import get_reclaim_policy
 from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
-from kvquota.serving.executors import HostMirror
-from kvquota.serving.intake import Intake
-from kvquota.serving.metrics import Event, Request
-from kvquota.serving.passes import PassSteps
-from kvquota.serving.planning import compose_step
-from kvquota.serving.preemption import Geometry
-from kvquota.serving.quota_view import QUOTA_REFUSALS, Parking, QuotaView, admit_batch
+from kvquota.serving.events import EventTimeline, request_fates
+from kvquota.serving.executors import HostMirror, StepBatch, bucket
+from kvquota.serving.planning import PassBatch, compose_pass, pass_batch
+from kvquota.serving.preemption import POOL, Geometry, Room, choose_victims, group_of, shortfalls
+from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView
+from kvquota.serving.requests import Event, Request, RequestStatus, Session, check_request
+from kvquota.serving.waiting import WaitQueue
 
 INF = float("inf")
+PENDING, QUEUED, PREFILL = RequestStatus.PENDING, RequestStatus.QUEUED, RequestStatus.PREFILL
+RUNNING, SUSPENDED = RequestStatus.RUNNING, RequestStatus.SUSPENDED
+FINISHED, REFUSED = RequestStatus.FINISHED, RequestStatus.REFUSED
 
 
-class Scheduler(Intake, PassSteps):
+@dataclasses.dataclass
+class StepPlan:
+    """What one `step()` runs, decided by `schedule()` before the device runs (plain data).
+
+    Fields: events: the kinds of the events run at its start; batch: step 0's padded rows (None:
+    no row runs, an idle step); passed: the whole pass's rows (K > 1 only, else None); dec: the
+    decode requests (batch rows, in order); counts: i32[len(dec)], the tokens each may decode in
+    the pass (1 each in a single step); pres: each step's prefill chunks [[(request, tokens)]];
+    started: (perf_counter seconds, scheduler syncs, executor syncs, facade calls) when the step
+    began, for its record.
+    """
+
+    events: list
+    batch: Optional[StepBatch]
+    passed: Optional[PassBatch]
+    dec: list
+    counts: np.ndarray
+    pres: list
+    started: tuple
+
+
+def hits_unwritten(block_size: int, context, prefilling) -> bool:
+    """Would a prompt `context` hit, in the prefix cache, a full block that one of the
+    `prefilling` requests (same salt) reserved but has not prefilled yet (K/V unwritten)?
+    Admission hits at most (len - 1) // P leading blocks, along the chain from block 0."""
+    p = block_size
+    for o in prefilling:
+        n = min((len(context) - 1) // p, len(o.context) // p) * p
+        m = (o.prefilled // p + 1) * p  # it hits past o's written blocks iff these m match
+        if m <= n and list(context[:m]) == list(o.context[:m]):  # only m ids copied
+            return True
+    return False
+
+
+class Scheduler:
     """Continuous batching of many tenants' requests over one state (see the module docstring).
 
     Args: executor: a ModelExecutor or CostModelExecutor (its state_config is the state's);
@@ -58,6 +107,18 @@ class Scheduler(Intake, PassSteps):
     at their steps; drift_every / check_every: every n steps (0: never) measure the ledger
     drift / run check_invariants (O(pool) host work); on_step / on_event: callables receiving
     each step / event record.
+
+    Public fields: t (steps taken), clock (seconds: each step's executor seconds, measured or
+    modelled, move it on; an idle scheduler jumps to the next arrival), requests (every
+    submitted request, by id), live (admitted requests holding KV: prefilling, running or
+    suspended), by_seq (slot -> live request), idle_of (slot -> session whose IDLE turn holds
+    it), tenants (tenant -> {"group": share group, "expired": lease expired}), waiting (the
+    `WaitQueue`: pending, queued, parked), timeline (the `EventTimeline`), records / event_log
+    (each step's / event's JSON-ready record), counters (`metrics.Counters`), drift_max (the
+    worst drift measured), syncs / facade_calls (device reads / allocator calls made so far),
+    progressed (did the last step change anything: an event, an arrival, an admission or a
+    refusal, a restore, a free, a row run? A step that did not, with nothing to arrive, is a
+    stall).
     """
 
     def __init__(self, executor, *, state=None, policy="tiered", token_budget: int = 256,
@@ -70,34 +131,106 @@ class Scheduler(Intake, PassSteps):
         if min(token_budget, max_admit) < 1 or min(drift_every, check_every) < 0:
             raise InvalidArgumentError("token_budget and max_admit must be >= 1, drift_every and "
                                        "check_every >= 0")
-        self.steps_per_pass = self._steps_per_pass(executor, steps_per_pass)
-        if not all(isinstance(e, Event) for e in events):
-            raise InvalidArgumentError("events must be kvquota.serving.Event objects")
+        if not (isinstance(steps_per_pass, int) and steps_per_pass >= 1) or \
+                (steps_per_pass > 1 and not executor.cost_model):
+            raise InvalidArgumentError(f"steps_per_pass must be an int >= 1 (> 1 only with the "
+                                       f"cost model), got {steps_per_pass!r}")
+        self.steps_per_pass = steps_per_pass
+        self.timeline = EventTimeline(events)
         self.token_budget, self.max_admit = int(token_budget), int(max_admit)
         self.drift_every, self.check_every = int(drift_every), int(check_every)
         self.on_step, self.on_event = on_step, on_event
-        self.events = sorted(events, key=lambda e: e.step)
-        self.t = self.syncs = self._ev = self._stamp = self.drift_max = self.facade_calls = 0
-        self.requests, self.pending, self.live, self.sessions = [], [], [], []
-        self.queues = collections.defaultdict(collections.deque)
+        self.t = self.syncs = self.drift_max = self.facade_calls = 0
+        self.clock = 0.0
+        self.requests, self.live = [], []
         self.by_seq, self.idle_of, self.tenants = {}, {}, {}
-        self.parked, self.unrestored = Parking(), Parking()  # refused: admissions, restores
+        self.waiting = WaitQueue(self.max_admit)
         self.counters, self.event_log, self.records = metrics.Counters(), [], []
-        self._release, self._dirty, self._progress, self._host_bytes = [], False, False, 0
-        # The clock (seconds): each step's executor seconds (measured, or modelled by the cost
-        # model) move it on; requests with arrival_s arrive when it passes them, and an idle
-        # scheduler jumps to the next arrival (or to `wake_s`: the caller's next appointment).
-        self.clock, self.wake_s, self._due = 0.0, INF, (INT32_MAX, INF)
+        self.progressed = False
+        self._finished = []  # requests that ended at the last step: their slots are freed next
+        self._admissions = 0  # admission order stamps handed out (`Request.admitted`)
+        self._restored_bytes = 0  # host bytes restored this step (the executor's transfer cost)
         self.m = HostMirror(self.state, self.config if executor.cost_model else None)
         self.quota = QuotaView(self.config)
         self._geometry = Geometry.of(self.config)  # of the refused appends' victims
 
-    # ---- the step ----------------------------------------------------------------------------
-    @property
-    def done(self) -> bool:  # nothing pending, queued, live, to free, or to happen
-        return not (self.pending or self.live or self._release or self._ev < len(self.events)
-                    or any(self.queues.values()))
+    # ---- taking requests in --------------------------------------------------------------------
+    def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
+                        share_group: Optional[int] = None, lease_expiry: int = INT32_MAX):
+        report = self._op("register_tenant", tenant, token_quota=token_quota, byte_quota=byte_quota,
+                          share_group=share_group, lease_expiry=lease_expiry)
+        self.tenants[int(tenant)] = dict(group=share_group, expired=False)
+        return report
 
+    def submit(self, request: Request) -> Request:
+        """Queue a request for its arrival step; bad input raises a typed error, nothing queued."""
+        prompt = check_request(self.config, request)
+        if request.tenant not in self.tenants and not self.timeline.registers(request.tenant):
+            raise UnknownTenantError(f"tenant {request.tenant} is not registered (nor by an event)")
+        request.id, request.status = len(self.requests), PENDING
+        request.prompt, request.context = prompt, list(prompt)
+        self.requests.append(request)
+        self.waiting.add(request)
+        return request
+
+    def submit_session(self, session: Session) -> Session:
+        """A multi-turn session: its first turn is submitted now, each next one when the turn
+        before finishes (`release_finished`)."""
+        if not session.turns:
+            raise InvalidArgumentError("a session needs at least one turn")
+        self._submit_turn(session, 0, list(session.turns[0]), session.arrival, session.arrival_s)
+        self.waiting.add_session(session)
+        return session
+
+    def _submit_turn(self, s: Session, k: int, prompt, arrival: int, arrival_s=None):
+        s.requests.append(self.submit(s.turn_request(k, prompt, arrival, arrival_s)))
+
+    def add_event(self, event: Event):
+        """An event to run at its step (at or after the events added so far)."""
+        self.timeline.add(event)
+
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """A client gives up on a request that holds no KV: pending, or queued (never admitted,
+        or preempted and waiting to be re-admitted). It leaves its queue, refused with
+        `reason` at this clock and step (finish_s, finished_step), and its session ends: the
+        sequence its previous turn left IDLE is freed. Any other request raises
+        InvalidArgumentError, nothing changed (one being prefilled may not be freed before its
+        K/V are written: `Allocator.free`)."""
+        if not (0 <= request.id < len(self.requests) and self.requests[request.id] is request):
+            raise InvalidArgumentError(f"cancel: request {request.id} is not this scheduler's")
+        if request.status not in (PENDING, QUEUED):
+            raise InvalidArgumentError(f"cancel: request {request.id} is {request.status}; only "
+                                       "a pending or queued one (holding no KV) can be cancelled")
+        self.waiting.withdraw(request)
+        self._refuse(request, reason)
+        request.finish_s, request.finished_step = self.clock, self.t  # when the client left
+        s = request.session
+        if s is not None and s.idle_seq != INVALID:
+            self._free_idle([s])
+
+    # ---- what the caller may ask ---------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        """Nothing pending, queued, live, to free, or to happen."""
+        return not (self.waiting.pending or self.live or self._finished or self.timeline.left
+                    or self.waiting.queued)
+
+    @property
+    def has_pending(self) -> bool:
+        """Are submitted requests still to arrive?"""
+        return bool(self.waiting.pending)
+
+    @property
+    def next_arrival_s(self) -> float:
+        """The earliest arrival_s (on the clock) of the requests still to arrive (inf: none)."""
+        return self.waiting.due_s
+
+    def advance_clock(self, to_s: float):
+        """Nothing runs until `to_s` (the caller's next appointment): the clock moves on to it
+        (never back)."""
+        self.clock = max(self.clock, to_s)
+
+    # ---- the step ------------------------------------------------------------------------------
     def run(self, max_steps: Optional[int] = None, progress: bool = False) -> dict:
         """Step until every request is done, nothing can change any more, or max_steps; a tqdm
         progress bar on stderr with `progress`. Returns the summary."""
@@ -109,50 +242,114 @@ class Scheduler(Intake, PassSteps):
             bar.update(1)
             bar.set_postfix(running=rec["running"], queued=sum(rec["queue"].values()),
                             preempted=rec["preemptions_total"], refresh=False)
-            if not (self._progress or self.pending or self._ev < len(self.events)):
+            if not (self.progressed or self.waiting.pending or self.timeline.left):
                 break  # stalled: nothing ran, arrives or happens any more
         bar.close()
-        self._free_finished()
+        self.release_finished()
         return self.summary()
 
-    def step(self, max_steps: Optional[int] = None) -> dict:
-        """One step, or a pass of up to steps_per_pass (at most max_steps) steps; returns the
-        last step's record (`records` holds them all)."""
-        marks = (time.perf_counter(), self.syncs, self.executor.syncs, self.facade_calls)
-        self._host_bytes, self._progress = 0, bool(self._release)
-        self._free_finished()
-        if not (self.live or self._release or any(self.queues.values())) and \
-                self._due[0] > self.t and self.clock < min(self._due[1], self.wake_s) < INF:
-            self.clock = min(self._due[1], self.wake_s)  # idle until something arrives
+    def step(self, max_steps: Optional[int] = None, *, wake_s: float = INF) -> dict:
+        """One step, or a pass of up to steps_per_pass (at most max_steps) steps: `schedule`,
+        execute, `update`. wake_s: the caller's next appointment on the clock (an idle
+        scheduler jumps to it or to the next arrival, whichever comes first). Returns the last
+        step's record (`records` holds them all)."""
+        plan = self.schedule(max_steps, wake_s)
+        return self.update(plan, self._execute(plan))
+
+    def schedule(self, max_steps: Optional[int] = None, wake_s: float = INF) -> StepPlan:
+        """The host work before the device runs (module docstring, (1)-(4)) -> its StepPlan."""
+        started = (time.perf_counter(), self.syncs, self.executor.syncs, self.facade_calls)
+        self._restored_bytes, self.progressed = 0, bool(self._finished)
+        self.release_finished()
+        w = self.waiting
+        if not (self.live or w.queued) and w.due_step > self.t and \
+                self.clock < min(w.due_s, wake_s) < INF:
+            self.clock = min(w.due_s, wake_s)  # idle until something arrives
         # An event waits for in-flight prefills (admissions held meanwhile): a reclaim must not
         # compress, evict or drop (into the prefix cache) blocks whose K/V are not written yet.
-        due = self._ev < len(self.events) and self.events[self._ev].step <= self.t
-        hold, kinds = due and any(r.status == "prefill" for r in self.live), []
-        while not hold and self._ev < len(self.events) and self.events[self._ev].step <= self.t:
-            self._ev += 1
-            kinds.append(self._event(self.events[self._ev - 1]))
+        hold = self.timeline.due(self.t) and any(r.status == PREFILL for r in self.live)
+        kinds = []
+        while not hold and (ev := self.timeline.pop_due(self.t)) is not None:
+            kinds.append(self._run_event(ev))
         self._arrivals()
         self._restore_suspended()
         if not hold:
             self._admit()
-        rec = self._pass(max_steps, kinds, marks) if self.steps_per_pass > 1 else None
-        if rec is not None:
-            return rec
-        batch, dec, pre = compose_step(self.executor, self.live, self.token_budget, self.m,
-                                       self._host_bytes)
-        out, self._dirty = None, False
-        if batch is not None:
-            self.state, out = self.executor.step(self.state, batch)
-            self.clock += out.seconds
-            self._progress = True
-            self.quota.stepped(out.charged, out.used_tokens)
-            self._absorb(out, dec, pre)
-        charged = out.charged if out is not None and not self._dirty else self._read(
-            self.state.tenants.charged_blocks)
-        return self._record(out, dec, pre, charged, kinds, marks)
+        k = self.steps_per_pass
+        limit = min(k, max(1, max_steps or k))
+        batch, dec, counts, pres = compose_pass(self.executor, self.live, self.token_budget,
+                                                self.m, self._restored_bytes, limit)
+        passed = pass_batch(batch, counts, pres, self.m, k) if batch is not None and k > 1 \
+            else None
+        return StepPlan(kinds, batch, passed, dec, counts, pres, started)
 
-    def _record(self, out, dec, pre, charged, kinds, marks) -> dict:
-        rec = metrics.record_step(self, out, dec, pre, charged, kinds, marks)
+    def _execute(self, plan: StepPlan) -> list:
+        """Run the plan on the executor (donates the state) -> one StepOutput per step with
+        rows ([] for an idle step)."""
+        if plan.batch is None:
+            return []
+        if plan.passed is None:
+            self.state, out = self.executor.step(self.state, plan.batch)
+            return [out]
+        self.state, outs = self.executor.run_pass(self.state, plan.passed)
+        return outs
+
+    def update(self, plan: StepPlan, outs: list) -> dict:
+        """Absorb the executed plan step by step: each step's tokens, finishes and completed
+        prefills at its own step and clock, then its record; the appends refused are handled at
+        the end (in the last step), where preemption may make room. Returns the last record."""
+        if not outs:  # an idle step: nothing ran
+            charged = self._read(self.state.tenants.charged_blocks)
+            return self._record(None, [], [], charged, plan.events, plan.started)
+        self.progressed, m, dec, counts = True, self.m, plan.dec, plan.counts
+        self.quota.stepped(outs[-1].charged, outs[-1].used_tokens)
+        nd, t0 = len(dec), self.t
+        clocks = self.clock + np.cumsum([o.seconds for o in outs])
+        appended = np.stack([o.appended[:nd] for o in outs])  # [steps, rows]
+        got = appended.sum(axis=0)
+        seqs = np.fromiter((r.seq for r in dec), np.int64, nd)
+        m.length[seqs] += got
+        m.position[seqs] += got
+        sampled = np.stack([o.dec_next[:nd] for o in outs], axis=1).tolist()
+        ends, refused = [[] for _ in outs], []
+        for i, (r, n, a) in enumerate(zip(dec, counts.tolist(), got.tolist())):
+            r.tokens.extend(sampled[i][:a])
+            if a < n:  # refused at step a
+                refused.append((r, int(outs[a].reason[i])))
+            elif why := self._why(r, sampled[i][a - 1]):
+                ends[a - 1].append((r, why))
+        rows, last, started = np.arange(nd), len(outs) - 1, plan.started
+        for j, out in enumerate(outs):
+            self.t, self.clock = t0 + j, float(clocks[j])
+            for r, why in ends[j]:
+                self._finish(r, why)
+            self.counters.add("generated_tokens", int(appended[j].sum()))
+            for i, (r, n) in enumerate(plan.pres[j]):
+                self._prefilled(r, n, int(out.pre_next[i]))
+            decoding = [dec[i] for i in rows[(counts > j) & (got >= j)]]
+            charged = out.charged
+            if j == last and self._refused_appends(refused):
+                charged = self._read(self.state.tenants.charged_blocks)  # preempted: stale
+            rec = self._record(out, decoding, plan.pres[j], charged,
+                               plan.events if j == 0 else [], started)
+            started = (time.perf_counter(), self.syncs, self.executor.syncs, self.facade_calls)
+        return rec
+
+    def _record(self, out, dec, pre, charged, kinds, started) -> dict:
+        """Record step t (its ledger drift and invariants checked when due), then move to t+1."""
+        start, syncs0, exec0, calls0 = started
+        drift = None
+        if self.drift_every and self.t % self.drift_every == 0:
+            drift = metrics.ledger_drift(self.config, self.state)
+            self.drift_max = max(self.drift_max, drift["bytes"], drift["tokens"])
+        if self.check_every and self.t % self.check_every == 0:
+            self.alloc.check(self.state)
+        rec = metrics.record_step(
+            self.config, step=self.t, kinds=kinds, out=out, dec=dec, pre=pre, charged=charged,
+            queues=self.waiting.queues, live=self.live, idle_sessions=len(self.idle_of),
+            counters=self.counters, step_syncs=self.executor.syncs - exec0,
+            host_syncs=self.syncs - syncs0, facade_calls=self.facade_calls - calls0,
+            drift=drift, clock_s=self.clock, wall_s=time.perf_counter() - start)
         self.counters.new_step()  # what happens before the next step (a cancel) counts in it
         self.records.append(rec)
         if self.on_step is not None:
@@ -164,8 +361,7 @@ class Scheduler(Intake, PassSteps):
         """One facade call on the state, donated; returns its report (counted per step)."""
         self.facade_calls += 1
         self.quota.changed(name)
-        for parking in (self.parked, self.unrestored):
-            parking.op(name, args, self.m.tenant)
+        self.waiting.op(name, args, self.m.tenant)
         self.state, report = getattr(self.alloc, name)(self.state, *args, donate=True, **kwargs)
         return report
 
@@ -173,10 +369,12 @@ class Scheduler(Intake, PassSteps):
         self.syncs += 1
         return jax.device_get(tree)
 
-    def _free_finished(self):
-        """Free last step's finished sequences; a session's turn goes IDLE and its next turn
-        is submitted (it arrives `gap` steps later)."""
-        done, self._release = self._release, []
+    # ---- letting requests go -------------------------------------------------------------------
+    def release_finished(self):
+        """Free the sequences of the requests that finished at the last step; a session's turn
+        goes IDLE instead and its next turn is submitted (it arrives `gap` steps, or think_s
+        seconds, later). `step` does it first; call it once more after the last step."""
+        done, self._finished = self._finished, []
         idle = [r for r in done if r.session is not None and not r.session.ended
                 and r.turn + 1 < len(r.session.turns)]
         free = [r.seq for r in done if r not in idle]
@@ -190,19 +388,43 @@ class Scheduler(Intake, PassSteps):
             s.idle_seq, self.m.status[r.seq], self.idle_of[r.seq] = r.seq, SEQ_IDLE, s
             try:
                 k = r.turn + 1
-                self._turn(s, k, r.prompt + r.tokens + list(s.turns[k]), self.t + s.gap,
-                           None if s.arrival_s is None else
-                           self.clock + (s.think_s[k] if k < len(s.think_s) else 0.0))
+                self._submit_turn(s, k, r.prompt + r.tokens + list(s.turns[k]), self.t + s.gap,
+                                  s.turn_arrival_s(k, self.clock))
             except KVQuotaError:  # the conversation outgrew the table or the context
                 s.ended = True
         for r in done:
             self.by_seq.pop(r.seq, None)
             r.seq = INVALID
 
-    # ---- events ------------------------------------------------------------------------------
-    def _event(self, ev: Event):
-        self._progress = True
-        self.unrestored.clear()  # `_hopeless` reads the events to come
+    def _free_idle(self, sessions):
+        """Free the sequences these sessions' previous turns left IDLE (the next turn took its
+        prefix hits, or will never come)."""
+        seqs = [s.idle_seq for s in sessions]
+        if seqs:
+            self._op("free", np.asarray(seqs, np.int32))
+            self.m.set(seqs)
+        for s in sessions:
+            self.idle_of.pop(s.idle_seq)
+            s.idle_seq = INVALID
+
+    def _refuse(self, r: Request, reason: str):
+        r.status, r.finish = REFUSED, reason
+        self.counters.refused_named(reason)
+        if r.session is not None:
+            r.session.ended = True
+
+    def _finish(self, r: Request, why: str):
+        r.status, r.finish, r.finished_step, r.finish_s = FINISHED, why, self.t, self.clock
+        self.counters.add("finished")
+        self.live.remove(r)
+        self._finished.append(r)
+
+    # ---- events --------------------------------------------------------------------------------
+    def _run_event(self, ev: Event) -> str:
+        """Run one event (module docstring, (2)); its record goes to event_log. Returns its
+        kind."""
+        self.progressed = True
+        self.waiting.unrestored.clear()  # `_hopeless` reads the events to come
         rec = {"step": self.t, "scheduled": ev.step, "kind": ev.kind, "tenant": ev.tenant,
                "seq_requests": {str(q): r.id for q, r in self.by_seq.items()},
                "ledger_before": metrics.ledger_table(self.alloc.ledger(self.state))}
@@ -218,7 +440,7 @@ class Scheduler(Intake, PassSteps):
             plan = self.alloc.plan_reclaim(self.state, request, policy, now=self.t)
             report = self._op("apply_plan", plan)
             rec.update(plan=plan.summary(), plan_text=str(plan), report=report.summary())
-            self._fates(report, ev)
+            self._apply_fates(report, ev)
         for r in ev.requests:
             r.arrival = self.t
             self.submit(r)
@@ -228,26 +450,27 @@ class Scheduler(Intake, PassSteps):
             self.on_event(rec)
         return ev.kind
 
-    def _fates(self, report, ev: Event):
-        """Apply a reclaim's fates to the requests and sessions whose sequences it touched."""
+    def _apply_fates(self, report, ev: Event):
+        """Apply a reclaim's fates (`events.request_fates`) to the requests and sessions whose
+        sequences it touched; recycle the slots it preempted; a lease expiry refuses its
+        tenant's queue and ends its sessions."""
         self.syncs += 1
         self.m.refresh(self.state)
-        archives = {a.seq: a.token_ids for a in report.archives}
-        for f in report.fates:
-            r, s = self.by_seq.get(f.seq), self.idle_of.get(f.seq)
+        for f in request_fates(report, self.by_seq, self.idle_of):
+            r, s = f.request, f.session
             if r is not None and f.fate == FATE_PREEMPTED:
-                self._requeue(r, archives[f.seq])
+                self._requeue(r, f.archive)
                 r.planned_resume_tokens += f.resume_tokens
                 self.counters.add("planned_resume_tokens", f.resume_tokens)
             elif r is not None and f.fate == FATE_SUSPENDED:
-                r.was, r.status, r.suspensions = r.status, "suspended", r.suspensions + 1
+                r.was, r.status, r.suspensions = r.status, SUSPENDED, r.suspensions + 1
                 r.planned_resume_bytes += f.resume_bytes
                 self.counters.add("suspensions")
                 self.counters.add("planned_resume_bytes", f.resume_bytes)
             elif r is not None and f.fate == FATE_RELEASED:
                 self.live.remove(r)
                 self.by_seq.pop(f.seq)
-                r.seq, r.status, r.finish, r.finished_step = (INVALID, "finished",
+                r.seq, r.status, r.finish, r.finished_step = (INVALID, FINISHED,
                                                               f"released: {ev.kind}", self.t)
                 r.finish_s = self.clock
             elif r is not None and f.fate in (FATE_COMPRESSED, FATE_EVICTED):
@@ -261,34 +484,42 @@ class Scheduler(Intake, PassSteps):
             self.m.set(left)
         if ev.kind == "lease_expiry":
             self.tenants[ev.tenant]["expired"] = True
-            while self.queues[ev.tenant]:
-                self._refuse(self.queues[ev.tenant].popleft(), "lease expired")
-            for s in self.sessions:
-                s.ended = s.ended or s.tenant == ev.tenant
+            for r in self.waiting.drain(ev.tenant):
+                self._refuse(r, "lease expired")
+            self.waiting.end_sessions_of(ev.tenant)
 
     def _requeue(self, r: Request, archived):
         """A preempted request: its archive must be what the scheduler sent to the cache; it
         goes to the front of its tenant's queue, to be re-admitted with prompt + tokens."""
-        metrics.check_archive(r, archived)
+        r.check_archive(archived)
         self.live.remove(r)
         self.by_seq.pop(r.seq)
-        r.seq, r.status, r.prefilled, r.resuming = INVALID, "queued", 0, True
+        r.seq, r.status, r.prefilled, r.resuming = INVALID, QUEUED, 0, True
         r.context, r.preemptions = r.prompt + r.tokens, r.preemptions + 1
         self.counters.add("preemptions")
-        self.queues[r.tenant].appendleft(r)
+        self.waiting.requeue(r)
 
-    def _preempt(self, reqs):
-        """Preempt running requests (the scheduler's choice: an append ran out of room)."""
-        seqs = np.asarray([r.seq for r in reqs], np.int32)
-        report, self.syncs = self._op("preempt", seqs), self.syncs + 1
-        archived = {seq: tok for seq, _, tok, _ in report.archives()}
-        for r in sorted(reqs, key=lambda q: -q.admitted):  # the oldest ends up in front
-            self._requeue(r, archived[r.seq])
-        self._op("rebalance", seq_ids=seqs)
-        self.m.set(seqs)
-        self._dirty = True
+    def _hopeless(self, r: Request, mine: bool) -> bool:
+        """Could nothing ever make room for r? No event to come that might, and nothing on the
+        device (of r's tenant, when `mine`) that will be freed."""
+        if self.timeline.may_make_room(r.tenant):
+            return False
+        return not any(o is not r and getattr(o, "status", "") != SUSPENDED and
+                       (not mine or o.tenant == r.tenant)
+                       for o in (*self.live, *self.idle_of.values()))
 
-    # ---- admission ---------------------------------------------------------------------------
+    # ---- arrivals, restores, admission ---------------------------------------------------------
+    def _arrivals(self):
+        """The requests that arrived join their tenants' queues (or are refused: their tenant
+        is unknown or its lease expired)."""
+        for r in self.waiting.take_arrived(self.t, self.clock):
+            info = self.tenants.get(r.tenant)
+            if info is None or info["expired"]:
+                self._refuse(r, "lease expired" if info else "unknown tenant")
+            else:
+                self.progressed = True
+                self.waiting.queue(r)
+
     def _restore(self, seq: int, r: Request, idle: bool = False):
         """Bring a suspended sequence back from host (an IDLE one stays IDLE) if pool 0 and
         the quota have room: True, else what is short (REFUSED_POOL_FULL / _BYTE_QUOTA)."""
@@ -299,18 +530,20 @@ class Scheduler(Intake, PassSteps):
         if idle:
             self._op("set_idle", np.asarray([seq], np.int32))
         moved = int(self._read(rep.moved_blocks).sum()) * self.config.pool_bytes[0]
-        r.paid_resume_bytes, self._host_bytes = r.paid_resume_bytes + moved, self._host_bytes + moved
+        r.paid_resume_bytes += moved
+        self._restored_bytes += moved
         self.counters.add("paid_resume_bytes", moved)
-        self.m.status[seq], self._progress = SEQ_IDLE if idle else SEQ_RUNNING, True
+        self.m.status[seq], self.progressed = SEQ_IDLE if idle else SEQ_RUNNING, True
         self.m.restored(seq)
         return True
 
     def _restore_suspended(self):
         """Restore suspended requests (if the host mirror has any), oldest first. One refused
-        is parked (`Parking`) until a free, a quota change or an event: else refused again."""
-        if self.unrestored.tenants() or not (self.m.status == SEQ_SUSPENDED).any():
+        is parked (`waiting.unrestored`) until a free, a quota change or an event: else refused
+        again at every step."""
+        if self.waiting.unrestored.tenants() or not (self.m.status == SEQ_SUSPENDED).any():
             return
-        for r in [q for q in self.live if q.status == "suspended"]:
+        for r in [q for q in self.live if q.status == SUSPENDED]:
             got = self._restore(r.seq, r)
             if got is True:
                 r.status = r.was
@@ -319,34 +552,22 @@ class Scheduler(Intake, PassSteps):
                     r.session.ended = True
                 self._finish(r, f"suspended: {REASONS[got]}, never restorable")
             else:
-                self.unrestored.refused(r.tenant, got)
+                self.waiting.unrestored.refused(r.tenant, got)
                 break  # FIFO: nothing overtakes the oldest suspended request
 
-    def _hopeless(self, r: Request, mine: bool) -> bool:
-        """Could nothing ever make room for r? No event to come that might, and nothing on the
-        device (of r's tenant, when `mine`) that will be freed."""
-        if any(e.tenant == r.tenant or e.kind in ("quota_cut", "lease_expiry")
-               for e in self.events[self._ev:]):
-            return False
-        return not any(o is not r and getattr(o, "status", "") != "suspended" and
-                       (not mine or o.tenant == r.tenant)
-                       for o in (*self.live, *self.idle_of.values()))
-
     def _admit(self):
-        """One admit call for up to max_admit queued requests: per-tenant FIFO (resumes and a
-        session's next turn, whose KV is held, at the front), tenants interleaved by (those
-        first, arrival, id). A tenant refused is parked until something may make room for it
-        (`quota_view.Parking`). Rows the device would surely refuse for quota are refused
-        without it (`quota_view`)."""
-        heads = sorted((r for q in self.queues.values() for r in islice(q, self.max_admit)),
-                       key=lambda r: (not (r.resuming or r.turn), r.arrival, r.id))
-        rows, blocked = [], self.parked.tenants()
-        prefilling = [o for o in self.live if o.status == "prefill"]
-        for r in heads:
+        """One admit call for up to max_admit queued requests (`WaitQueue.heads`: per-tenant
+        FIFO, resumes and a session's next turn first). A tenant refused is parked until
+        something may make room for it (`waiting.Parking`); a request that would hit a block
+        another request has not written yet waits (its tenant is skipped this step). Rows the
+        device would surely refuse for quota are refused without it (`quota_view`)."""
+        rows, blocked = [], self.waiting.parked.tenants()
+        prefilling = [o for o in self.live if o.status == PREFILL]
+        for r in self.waiting.heads():
             if len(rows) == self.max_admit or r.tenant in blocked:
                 continue
             g = self.tenants[r.tenant]["group"]  # same salt: same tenant or share group
-            if metrics.hits_unwritten(self.config.block_size, r.context, [
+            if hits_unwritten(self.config.block_size, r.context, [
                     o for o in prefilling if o.tenant == r.tenant or (
                         g is not None and self.tenants[o.tenant]["group"] == g)]):
                 blocked.add(r.tenant)
@@ -360,17 +581,17 @@ class Scheduler(Intake, PassSteps):
         if not rows:
             return
         idle = []
-        for r, (reason, q, cached) in zip(rows, admit_batch(self, rows)):
+        for r, (reason, q, cached) in zip(rows, self._admission_call(rows)):
             if r.session is not None and r.session.idle_seq != INVALID:
                 idle.append(r.session)  # its IDLE turn goes: hits taken, or making way
             if reason != OK:
                 self._admit_refused(r, reason)
                 continue
-            n, self._progress = len(r.context), True
-            self.queues[r.tenant].remove(r)
-            r.seq, r.status, r.base = q, "prefill", len(r.tokens)
+            n, self.progressed = len(r.context), True
+            self.waiting.admitted(r)
+            r.seq, r.status, r.base = q, PREFILL, len(r.tokens)
             r.prefilled = r.cached_tokens = cached
-            r.admitted, self._stamp = self._stamp, self._stamp + 1
+            r.admitted, self._admissions = self._admissions, self._admissions + 1
             r.admitted_step = self.t if r.admitted_step < 0 else r.admitted_step
             if r.resuming:
                 r.resuming, r.paid_resume_tokens = False, r.paid_resume_tokens + n - r.prefilled
@@ -380,45 +601,60 @@ class Scheduler(Intake, PassSteps):
             self.live.append(r)
         self._free_idle(idle)  # with keep_cold_blocks their full blocks stay cached
 
+    def _admission_call(self, rows) -> list:
+        """(reason, sequence slot, cached tokens) for each admission row, in order: the sure
+        refusals from the quota view without a device call, the rest from one admit call
+        (padded to 4..max_admit rows and a power of two of tokens), its report read back. A
+        row the device refused leaves its missing blocks for its next try; an admitted one
+        drops them (a preempted request comes back with another context)."""
+        view = self.quota
+        self.syncs += view.read(self.state)
+        sure = view.sure_refusals(rows)
+        at = [i for i in range(len(rows)) if i not in sure]  # the call's rows
+        out = {i: (reason, INVALID, 0) for i, reason in sure.items()}
+        if at:
+            b = bucket(len(at), self.max_admit, floor=4)
+            ten, lens = np.full(b, INVALID, np.int32), np.zeros(b, np.int32)
+            tok = np.zeros((b, bucket(max(len(rows[i].context) for i in at),
+                                      self.config.max_tokens_per_seq)), np.int32)
+            for j, i in enumerate(at):
+                r = rows[i]
+                ten[j], lens[j], tok[j, : len(r.context)] = r.tenant, len(r.context), \
+                    r.context_ids()
+            rep = self._read(self._op("admit", ten, tok, lens))
+            for j, i in enumerate(at):
+                out[i] = (int(rep.reason[j]), int(rep.seq_id[j]), int(rep.cached_tokens[j]))
+                if rep.admitted[j]:
+                    view.least.pop(rows[i], None)
+                else:
+                    view.least[rows[i]] = int(rep.missing_blocks[j])
+        return [out[i] for i in range(len(rows))]
+
     def _admit_refused(self, r: Request, reason: int):
         """Count the refusal; the request waits, unless nothing could ever make room for it."""
         name = REASONS[reason]
         self.counters.refused(reason)
         r.refusals[name] = r.refusals.get(name, 0) + 1
         r.first_refused = self.t if r.first_refused < 0 else r.first_refused
-        self.parked.refused(r.tenant, reason)
-        self._progress = True  # the next step tries the tenants not parked
+        self.waiting.parked.refused(r.tenant, reason)
+        self.progressed = True  # the next step tries the tenants not parked
         # (quota refusals wait on the tenant's own holdings, pool or slots on anyone's; a
         # session's own IDLE turn counts: it is freed to make way first)
         if self._hopeless(r, reason in QUOTA_REFUSALS):
-            self.queues[r.tenant].remove(r)
-            self.parked.release(r.tenant)  # its next request may fit
+            self.waiting.give_up(r)
             self._refuse(r, name)
 
-    # ---- the executor step -------------------------------------------------------------------
-    def _absorb(self, out, dec, pre):
-        rows, m, appended = len(dec), self.m, out.appended[: len(dec)]
-        seqs = np.fromiter((r.seq for r in dec), np.int64, rows)  # unique slots
-        grown = seqs[appended]
-        m.length[grown], m.position[grown] = m.length[grown] + 1, m.position[grown] + 1
-        tokens, reasons, refused = out.dec_next[:rows].tolist(), out.reason[:rows].tolist(), []
-        c, clock = self.config, self.clock  # a row whose table or context is now full ends
-        at_end = ((m.length[seqs] >= c.max_tokens_per_seq)
-                  | (m.position[seqs] >= c.model.max_context)).tolist()
-        for r, ok, token, reason, end in zip(dec, appended.tolist(), tokens, reasons, at_end):
-            if not ok:
-                refused.append((r, reason))
-                continue
-            got = r.tokens  # `_took`, inlined: this loop runs for every decode row
-            if not got:
-                r.first_token_s = clock
-            got.append(token)
-            if end or len(got) >= r.max_new_tokens or token in r.stop_ids:
-                self._finish(r, self._why(r, token))
-        self.counters.add("generated_tokens", len(grown))
-        for j, (r, n) in enumerate(pre):
-            self._prefilled(r, n, int(out.pre_next[j]))
-        self._refused_appends(refused)
+    # ---- absorbing a step's rows ---------------------------------------------------------------
+    def _prefilled(self, r: Request, n: int, token: int):
+        """A chunk of n tokens of r's context was prefilled; the last one samples `token`."""
+        r.prefilled += n
+        self.counters.add("prefill_tokens", n)
+        if r.prefilled == len(r.context):
+            r.status = RUNNING
+            if r.pin_blocks and not r.preemptions and not r.turn:  # pinned once, written
+                self._op("pin_prefix", r.seq, r.pin_blocks)
+            self._took(r, token)
+            self.counters.add("generated_tokens")
 
     def _took(self, r: Request, token: int):
         """r sampled `token` (the caller counts the generated tokens); it may end here."""
@@ -433,13 +669,62 @@ class Scheduler(Intake, PassSteps):
                 else "table full" if self.m.length[r.seq] >= self.config.max_tokens_per_seq
                 else "context" if self.m.position[r.seq] >= self.config.model.max_context else "")
 
-    def _finish(self, r: Request, why: str):
-        r.status, r.finish, r.finished_step, r.finish_s = "finished", why, self.t, self.clock
-        self.counters.add("finished")
-        self.live.remove(r)
-        self._release.append(r)
+    # ---- appends refused: preemption -----------------------------------------------------------
+    def _refused_appends(self, refused) -> bool:
+        """Appends refused ([(request, reason)]): a full table ends its request; for the rest,
+        rounds of preemption until they would fit (`preemption`: the youngest running request
+        of the tenant, of anyone's for the pool), then their tenants, and the victims' tenants,
+        are parked: the room is for the running rows to grow. Returns whether it preempted."""
+        rows, victims_of, preempted = [], set(), False  # victims_of: the victims' tenants
+        for r, reason in refused:
+            self.counters.refused(reason)
+            if reason == REFUSED_SEQ_FULL:
+                self._finish(r, "table full")
+            else:
+                rows.append((r, reason))
+        while rows:
+            short = shortfalls(rows, self._room(rows), self.m.length, self._geometry)
+            if not short:
+                break
+            victims, alone = choose_victims(short, rows, [q for q in self.live
+                                                          if q.status == RUNNING],
+                                            self.m.length, self._geometry)
+            for r in alone:  # nothing of its own to give up
+                self._finish(r, f"append refused: {REASONS[dict(rows)[r]]}")
+            if victims:
+                self._preempt(victims)
+                preempted = True
+                victims_of.update(q.tenant for q in victims)
+            elif not alone:
+                break
+            rows = [(r, reason) for r, reason in rows if r.status == RUNNING]
+        for r, reason in refused:
+            self.waiting.parked.refused(r.tenant, reason)
+        for t in victims_of - {r.tenant for r, _ in refused}:  # another tenant's room, for the
+            self.waiting.parked.refused(t, REFUSED_POOL_FULL)  # pool: not to be re-admitted into
+        return preempted
 
-    # ---- records -----------------------------------------------------------------------------
+    def _room(self, rows) -> Room:
+        """The refused appends' room now: the tenants' (a device read if stale) and, only when
+        a row was refused for the pool, pool 0's (one more)."""
+        tokens, units, reads = self.quota.room(self.state)
+        pool0 = 0
+        if any(group_of(r.tenant, reason) == POOL for r, reason in rows):
+            pool0, reads = int(self.alloc.allocatable_blocks(self.state)[0]), reads + 1
+        self.syncs += reads
+        return Room(token_room=tokens, unit_room=units, pool0=pool0)
+
+    def _preempt(self, reqs):
+        """Preempt running requests (the scheduler's choice: an append ran out of room)."""
+        seqs = np.asarray([r.seq for r in reqs], np.int32)
+        report, self.syncs = self._op("preempt", seqs), self.syncs + 1
+        archived = {seq: tok for seq, _, tok, _ in report.archives()}
+        for r in sorted(reqs, key=lambda q: -q.admitted):  # the oldest ends up in front
+            self._requeue(r, archived[r.seq])
+        self._op("rebalance", seq_ids=seqs)
+        self.m.set(seqs)
+
+    # ---- records -------------------------------------------------------------------------------
     def summary(self) -> dict:
         return metrics.run_summary(self.requests, self.records, self.counters, steps=self.t,
                                    drift_max=self.drift_max, events=len(self.event_log))

@@ -36,7 +36,7 @@ from kvquota.sentinel import INVALID
 from kvquota.serving import metrics
 from kvquota.serving.executors import (H200_BF16_FLOPS, H200_HBM_BANDWIDTH, CostModelExecutor,
                                        weight_count)
-from kvquota.serving.metrics import Event, Request, Session
+from kvquota.serving.requests import Event, Request, RequestStatus, Session
 from kvquota.serving.scheduler import Scheduler
 from kvquota.sim.traces import Trace, prompt_ids, system_prompt_ids
 from kvquota.state import StateConfig
@@ -77,7 +77,7 @@ class LoadConfig:
     host_fraction. devices None: as many as hold the pool and the weights (`devices_needed`).
     patience_s: a client cancels a request that has waited this long without being admitted
     (refused "timed out"; `Replay._abandon`); None: clients wait for ever. steps_per_pass > 1:
-    multi-step scheduling (`kvquota.serving.passes`; the drift check then comes at the first
+    multi-step scheduling (`kvquota.serving.scheduler`; the drift check then comes at the first
     pass end at or after every drift_every-th step)."""
 
     model: str = "qwen2.5-72b"
@@ -171,7 +171,7 @@ def quotas(sc: StateConfig, share: float) -> dict:
 def ended(r: Request) -> bool:
     """Finished or refused, its sequence slot freed (a session's next turn, if any, was built
     from it): the scheduler reads nothing of it any more."""
-    return r.status in ("finished", "refused") and r.seq == INVALID
+    return r.status in (RequestStatus.FINISHED, RequestStatus.REFUSED) and r.seq == INVALID
 
 
 class Replay:
@@ -247,7 +247,7 @@ class Replay:
     def _event(self, e):
         kw = {} if e.kind == "lease_expiry" else dict(byte_quota=quotas(
             self.sc, e.quota_share)["byte_quota"])
-        self.sched.events.append(Event(self.sched.t, e.kind, e.tenant, **kw))
+        self.sched.add_event(Event(self.sched.t, e.kind, e.tenant, **kw))
 
     def _check_drift(self, why: str):
         d = metrics.ledger_drift(self.sc, self.sched.state)
@@ -263,7 +263,7 @@ class Replay:
         if until_first_event:  # the trace ended before any event: `run()` just finishes it
             return None
         s = self.sched
-        s._free_finished()
+        s.release_finished()
         self._check_drift("end")
         self.steps_capped = s.t >= self.cfg.max_steps
         return s.requests
@@ -287,11 +287,11 @@ class Replay:
             nxt = min(items[i].arrival_s if i < len(items) else math.inf,
                       events[j].time_s if j < len(events) else math.inf)
             deadline = self._abandon()
-            s.wake_s = min(nxt, deadline) if self.step_clock is None else math.inf
+            wake_s = min(nxt, deadline) if self.step_clock is None else math.inf
             if s.done and nxt == math.inf:
                 return False
             t0 = s.t
-            rec = s.step(cfg.max_steps - t0)  # a pass of steps_per_pass steps, at most
+            rec = s.step(cfg.max_steps - t0, wake_s=wake_s)  # a pass of steps_per_pass, at most
             for r in s.records[t0:]:
                 self._sample(r)
             if s.records[t0]["events"]:
@@ -299,13 +299,13 @@ class Replay:
             elif s.t // cfg.drift_every > t0 // cfg.drift_every:
                 self._check_drift("every")
                 self._compact()
-            if not (rec["decode_rows"] or rec["prefill_rows"] or s._progress):
-                later = min(nxt, s._due[1], s.wake_s)  # stalled until the next arrival, if any
-                if later == math.inf or self.step_clock is not None and not s.pending and \
+            if not (rec["decode_rows"] or rec["prefill_rows"] or s.progressed):
+                later = min(nxt, s.next_arrival_s, wake_s)  # stalled until the next arrival
+                if later == math.inf or self.step_clock is not None and not s.has_pending and \
                         i == len(items) and j == len(events):
                     return False
                 if self.step_clock is None:
-                    s.clock = max(s.clock, later)
+                    s.advance_clock(later)
         return False
 
     def _abandon(self) -> float:
@@ -322,7 +322,7 @@ class Replay:
         self._watched = len(s.requests)
         while heap:  # due or no longer waiting: off the heap (admitted ones never come back)
             r = s.requests[heap[0][1]]
-            waiting = r.status in ("pending", "queued") and not r.tokens
+            waiting = r.status in (RequestStatus.PENDING, RequestStatus.QUEUED) and not r.tokens
             if waiting and heap[0][0] > self.now():
                 return heap[0][0]
             heapq.heappop(heap)
@@ -394,9 +394,9 @@ class Replay:
                        self.clock_at[min(r.arrival, len(self.clock_at) - 1)])
             ttft = r.first_token_s - arrived if r.first_token_s >= 0 else None
             tpot = ((r.finish_s - r.first_token_s) / (n - 1)
-                    if r.status == "finished" and n > 1 else None)
+                    if r.status == RequestStatus.FINISHED and n > 1 else None)
             out.append({"policy": self.policy, "id": tid, "tenant": r.tenant, "turn": r.turn,
-                        "status": r.status, "finish": r.finish, "prompt_tokens": len(r.prompt),
+                        "status": str(r.status), "finish": r.finish, "prompt_tokens": len(r.prompt),
                         "output_tokens": n, "max_new_tokens": r.max_new_tokens,
                         "arrival_s": arrived, "ttft_s": ttft, "tpot_s": tpot,
                         "finish_s": r.finish_s if r.finish_s >= 0 else None,

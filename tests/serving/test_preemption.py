@@ -62,7 +62,7 @@ def test_a_preempted_request_is_requeued_with_its_prompt_and_generated_tokens():
     assert len(generated) == 2
     assert long.context == prompt + generated and len(long.context) == 20
     assert long.seq == INVALID and long.prefilled == 0
-    assert s.queues[long.tenant][0] is long  # the front of its tenant's queue
+    assert s.waiting.queues[long.tenant][0] is long  # the front of its tenant's queue
     for _ in range(8):  # re-admitted once A, B and C free room
         s.step()
         if long.status != "queued":
@@ -165,3 +165,42 @@ def test_rounds_preempt_what_one_victim_at_a_time_would(data):
         taken.extend(victims)
         alone.extend(lone)
     assert taken == gone and alone == ended
+
+
+def test_a_step_is_a_pass_of_one_step(monkeypatch):
+    """One step (steps_per_pass K = 1) and a pass of K > 1 run the same code:
+    schedule() -> StepPlan, execute, update(plan, outputs). A single step's plan is a pass of
+    one step (every decode row one token, one step of chunks, no pass arrays); there is no
+    separate absorption of a single step."""
+    from kvquota.serving import StepPlan
+
+    calls, plans = [], []
+    real_schedule, real_update = Scheduler.schedule, Scheduler.update
+
+    def schedule(self, *args, **kwargs):
+        plans.append((self.steps_per_pass, real_schedule(self, *args, **kwargs)))
+        return plans[-1][1]
+
+    def update(self, plan, outs):
+        calls.append((self.steps_per_pass, len(outs)))
+        return real_update(self, plan, outs)
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    monkeypatch.setattr(Scheduler, "update", update)
+    runs = {}
+    for k in (1, 4):
+        s = Scheduler(CostModelExecutor(CONFIG, prefill_rows=2, chunk_size=8), token_budget=16,
+                      max_admit=2, steps_per_pass=k, check_every=1)
+        s.register_tenant(0, token_quota=10**6, byte_quota=40 * BLOCK)
+        reqs = [s.submit(Request(0, [5 + i] * (6 + 3 * i), 7)) for i in range(3)]
+        s.run()
+        runs[k] = s, reqs
+        assert all(r.status == "finished" and len(r.tokens) == 7 for r in reqs)
+    one = [p for k, p in plans if k == 1]
+    assert all(isinstance(p, StepPlan) for _, p in plans)
+    assert len(one) == len([c for c in calls if c[0] == 1]) == runs[1][0].t  # a call per step
+    assert all(p.passed is None and set(p.counts.tolist()) <= {1} and len(p.pres) <= 1
+               for p in one)
+    assert max(n for k, n in calls if k == 4) > 1  # a pass absorbed several steps in one update
+    assert len([c for c in calls if c[0] == 4]) < runs[4][0].t
+    assert not any(hasattr(Scheduler, name) for name in ("_absorb", "_run_pass", "_pass"))

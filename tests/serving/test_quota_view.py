@@ -17,7 +17,8 @@ from configs.models import get_model_config
 from kvquota.codes import (OK, REFUSED_BYTE_QUOTA, REFUSED_GROWING, REFUSED_POOL_FULL,
                            REFUSED_TOKEN_QUOTA, SEQ_FREE)
 from kvquota.serving import CostModelExecutor, Event, Request, Scheduler
-from kvquota.serving.quota_view import QUOTA_REFUSALS, Parking, QuotaView
+from kvquota.serving.quota_view import QUOTA_REFUSALS, QuotaView
+from kvquota.serving.waiting import Parking
 from kvquota.sim import loadtest as lt
 from kvquota.sim.traces import TraceConfig, generate_trace
 
@@ -316,7 +317,7 @@ def _swapped(parked: bool):
     tries, restore = [], s.alloc.restore
     s.alloc.restore = lambda *a, **k: tries.append(s.t) or restore(*a, **k)
     if not parked:  # the rule before: the oldest suspended request is retried at every step
-        s.unrestored.refused = lambda *a: None
+        s.waiting.unrestored.refused = lambda *a: None
     summary = s.run()
     kq.Allocator(HOSTED).check(s.state)
     return reqs, summary, tries

@@ -222,7 +222,7 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(params):
         Scheduler(s.executor, state=s.state, policy="no-such-policy")
     with pytest.raises(kq.ConfigMismatchError):
         ModelExecutor(get_model_config("tiny-qwen-untied"), params, CONFIG)
-    assert s.requests == [] and s.pending == []
+    assert s.requests == [] and s.waiting.pending == []
     after = jax.tree_util.tree_map(np.array, s.state)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
                                                     jax.tree_util.tree_leaves(after)))
@@ -346,7 +346,7 @@ def _fuzz(params, seed, steps, *, cost, config=None):
     assert set(submitted) <= set(s.requests)
     for r in s.requests:  # nothing vanishes: finished or refused with a reason, or queued
         assert (r.status in TERMINAL and r.finish) or (r.status == "queued" and r in
-                                                        s.queues[r.tenant]), r.summary()
+                                                        s.waiting.queues[r.tenant]), r.summary()
     assert not s.live and not s.by_seq
     status = np.asarray(s.state.seqs.seq_status)
     assert set(np.flatnonzero(status != kq.SEQ_FREE)) == set(s.idle_of)
@@ -426,10 +426,10 @@ def test_bench_model_times_the_scheduler_step_beside_the_engine(params):
        st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=40),
                           st.integers(0, 40)), max_size=4))
 def test_hits_unwritten_matches_its_definition(context, others):
-    """The block-prefix shortcut of `metrics.hits_unwritten` against its definition: the prompt
+    """The block-prefix shortcut of `scheduler.hits_unwritten` against its definition: the prompt
     would hit (leading equal full blocks, at most (len - 1) // P of them) past another
     prefilling request's written blocks (prefilled // P)."""
-    from kvquota.serving import metrics
+    from kvquota.serving import scheduler
 
     p = 4
     prefilling = [dataclasses.make_dataclass("R", ["context", "prefilled"])(c, min(n, len(c)))
@@ -443,4 +443,4 @@ def test_hits_unwritten_matches_its_definition(context, others):
             equal += 1
         return equal > o.prefilled // p
 
-    assert metrics.hits_unwritten(p, context, prefilling) == any(map(defined, prefilling))
+    assert scheduler.hits_unwritten(p, context, prefilling) == any(map(defined, prefilling))

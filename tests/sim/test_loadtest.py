@@ -14,7 +14,7 @@ import kvquota as kq
 from configs.models import get_model_config
 from kvquota.serving import CostModelExecutor, Request, Scheduler
 from kvquota.sentinel import INVALID
-from kvquota.serving import executors, passes
+from kvquota.serving import executors
 from kvquota.serving.executors import pool_of, weight_count
 from kvquota.sim import figures, loadtest_io
 from kvquota.sim import loadtest as lt
@@ -348,7 +348,7 @@ def test_a_pass_is_its_steps_run_one_call_at_a_time():
     pre_seq = np.full((k, bp), INVALID, np.int32)
     pre_key = np.zeros((k, bp, 2), np.int32)
     pre_pools = np.zeros((k, bp, CONFIG.num_pools), np.int32)
-    got, flats = passes._cost_pass(jax.tree.map(jnp.copy, state), dec_seq, dec_tok, dec_key,
+    got, flats = executors._cost_pass(jax.tree.map(jnp.copy, state), dec_seq, dec_tok, dec_key,
                                    count, pools, pre_seq, pre_key, pre_pools, config=CONFIG)
     kq.check_invariants(CONFIG, got)
     want, stopped, tok = state, np.zeros(bd, bool), dec_tok

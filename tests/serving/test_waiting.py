@@ -1,4 +1,4 @@
-"""A client's cancellation of a request that holds no KV yet (kvquota.serving.intake): it leaves
+"""A client's cancellation of a request that holds no KV yet (kvquota.serving.waiting): it leaves
 its queue refused with the reason, its session ends and frees the sequence its previous turn
 left IDLE, a tenant parked behind it may be tried again, and a request that holds KV cannot be
 cancelled (typed error, nothing changed)."""
@@ -42,13 +42,13 @@ def test_a_queued_request_is_cancelled_and_its_tenant_tried_again():
     s.step()
     waiting = [s.submit(Request(0, [10 + i] * 9, 2)) for i in range(3)]  # 3 blocks each
     s.step()
-    assert s.parked.tenants() == {0} and all(r.status == "queued" for r in waiting)
+    assert s.waiting.parked.tenants() == {0} and all(r.status == "queued" for r in waiting)
     s.cancel(waiting[1], "timed out")
     ALLOC.check(s.state)
     gone = waiting[1]
     assert (gone.status, gone.finish, gone.finished_step, gone.finish_s) == (
         "refused", "timed out", s.t, s.clock)
-    assert list(s.queues[0]) == [waiting[0], waiting[2]] and s.parked.tenants() == set()
+    assert list(s.waiting.queues[0]) == [waiting[0], waiting[2]] and s.waiting.parked.tenants() == set()
     assert s.summary()["refusals"]["timed out"] == 1
     s.run()
     ALLOC.check(s.state)
@@ -65,7 +65,7 @@ def test_a_cancel_behind_the_heads_leaves_the_park():
     waiting = [s.submit(Request(0, [10 + i] * 9, 2)) for i in range(3)]
     s.step()
     s.cancel(waiting[2])
-    assert waiting[2].finish == "cancelled" and s.parked.tenants() == {0}
+    assert waiting[2].finish == "cancelled" and s.waiting.parked.tenants() == {0}
 
 
 def test_a_pending_session_turn_is_cancelled_and_its_idle_sequence_freed():
@@ -83,7 +83,7 @@ def test_a_pending_session_turn_is_cancelled_and_its_idle_sequence_freed():
     assert sess.ended and sess.idle_seq == kq.INVALID and idle not in s.idle_of
     assert int(s.state.seqs.seq_status[idle]) == SEQ_FREE and s.m.status[idle] == SEQ_FREE
     assert int(np.asarray(s.state.tenants.charged_blocks)[0].sum()) == 0
-    assert s.pending == [] and s.done
+    assert s.waiting.pending == [] and s.done
     s.run()
     assert len(sess.requests) == 2 and turn1.status == "refused"
 
@@ -98,12 +98,12 @@ def test_a_request_holding_kv_is_not_cancelled():
     s.step()
     stranger = _scheduler().submit(Request(0, [1] * 4, 2))
     assert (prefilling.status, running.status) == ("prefill", "running")
-    before = _leaves(s.state), {t: list(q) for t, q in s.queues.items()}, len(s.records)
+    before = _leaves(s.state), {t: list(q) for t, q in s.waiting.queues.items()}, len(s.records)
     for r in (prefilling, running, stranger):
         with pytest.raises(InvalidArgumentError, match="cancel"):
             s.cancel(r)
     assert all(np.array_equal(a, b) for a, b in zip(before[0], _leaves(s.state)))
-    assert ({t: list(q) for t, q in s.queues.items()}, len(s.records)) == before[1:]
+    assert ({t: list(q) for t, q in s.waiting.queues.items()}, len(s.records)) == before[1:]
     assert (prefilling.status, running.status) == ("prefill", "running")
     s.run()
     assert prefilling.finish == running.finish == "length"
