@@ -93,20 +93,16 @@ def host_reason(policy, request) -> Optional[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """The static description of one plan (hashable: a `jax.jit` static argument).
+    """The static description of one plan (hashable: a `jax.jit` static argument): what fixes
+    the program's shape. The policy's knobs (`knobs`) are arguments, so presets that list the
+    same means share one compiled plan.
 
     kind: the request kind. slots: the steps in order — the policy's usable means, or
-    ("release",) for a lease expiry, () for grow-no-admit. compress_pool: the pool compress
-    writes. compress_gate: None (compress whenever reached) or the host blocks in use at which
-    the host alarm rings (compress also runs once an offload found the host short)."""
+    ("release",) for a lease expiry, () for grow-no-admit."""
 
     config: StateConfig
     kind: str
     slots: tuple[str, ...]
-    take_all: bool
-    compress_pool: Optional[int]
-    compress_gate: Optional[int]
-    keep_recent: int
 
 
 def spec_of(config, request, policy) -> Spec:
@@ -119,14 +115,21 @@ def spec_of(config, request, policy) -> Spec:
         slots = tuple(m for m in policy.means if m in DEVICE_MEANS
                       and (m != "compress" or c.compressed_pools)
                       and (m not in ("offload_idle", "suspend_running") or c.host_pool is not None))
-    cpool = gate = None
+    return Spec(config=c, kind=request.kind, slots=slots)
+
+
+def knobs(config, policy) -> np.ndarray:
+    """i32[4]: take_all; the pool compress writes; the host blocks in use at which the host
+    alarm rings (-1: compression ungated; it also runs once an offload found the host short);
+    the tokens compression keeps recent."""
+    c = config
+    cpool, gate = 0, -1
     if c.compressed_pools:
         names = [n for n, _ in c.compressed_pools]
         cpool = 1 + names.index(policy.compress_format or names[0])
         if policy.compress_gated and c.host_pool is not None:
             gate = math.ceil(c.host_watermark * c.pool_sizes[c.host_pool])
-    return Spec(config=c, kind=request.kind, slots=slots, take_all=policy.take_all,
-                compress_pool=cpool, compress_gate=gate, keep_recent=policy.compress_keep_recent)
+    return np.asarray([policy.take_all, cpool, gate, policy.compress_keep_recent], np.int32)
 
 
 # ---- the jitted plan -------------------------------------------------------------------------
@@ -157,11 +160,11 @@ jax.tree_util.register_dataclass(
 
 @functools.partial(jax.jit, static_argnames="spec")
 def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, prefs, fill, hashed,
-               charged, free, rows, idle_ok, victim_t, target, tenant, *, spec: Spec):
+               charged, free, rows, idle_ok, victim_t, target, tenant, knob, *, spec: Spec):
     """The plan of `spec` on the state's arrays; `rows` i32[V] are the victim rows in victim
     order (INVALID padding), `idle_ok` bool[V] whether a row's tenant is inactive (drop_idle),
-    `victim_t` bool[T], `target` the units to gain, `tenant` the request's. Returns the small
-    arrays `plan_on_device` reads back."""
+    `victim_t` bool[T], `target` the units to gain, `tenant` the request's, `knob` the policy's
+    `knobs`. Returns the small arrays `plan_on_device` reads back."""
     c = spec.config
     nb, ntn, npools = c.total_blocks, c.num_tenants, c.num_pools
     P, mb = c.block_size, c.max_blocks_per_seq
@@ -169,6 +172,7 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
     units = jnp.asarray(c.pool_units, i32)
     units_dev = jnp.asarray([u if d else 0 for u, d in zip(c.pool_units, c.device_pools)], i32)
     quota = spec.kind != "make_room"  # progress in victims' device units, else pool-0 blocks
+    take_all, cp, gate, keep_recent = knob[0] > 0, knob[1], knob[2], knob[3]
     pool_nb = pool_of(c, jnp.arange(nb, dtype=i32))
 
     valid = rows >= 0
@@ -194,7 +198,7 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
         return m.free[0] - start[1][0]
 
     def done(prog):
-        return (target <= 0) | (prog >= target) if not spec.take_all else (target <= 0)
+        return (target <= 0) | (~take_all & (prog >= target))
 
     # ---- settling a batch of dropped references (HostModel.drop / _settle) -----------------
     def heirs(m, touched_tenants, orphan, batch):
@@ -299,24 +303,23 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
         prog = progress(m, start) + jnp.concatenate(
             [jnp.zeros(1, i32), jnp.cumsum(gains[:v])])  # after k rows, k = 0 .. V
         k = jnp.arange(v + 1, dtype=i32)
-        if spec.take_all:
-            n = jnp.where(target > 0, n_cand, 0)
-        else:
-            reach = (prog >= target) & (k <= n_cand)
-            n = jnp.where(jnp.any(reach), jnp.argmax(reach).astype(i32), n_cand)
+        reach = (prog >= target) & (k <= n_cand) & ~take_all
+        n = jnp.where(jnp.any(reach), jnp.argmax(reach).astype(i32), n_cand)
+        n = jnp.where(target > 0, n, 0)
         batch = cand & (crank < n)
         m = jax.lax.cond(n > 0, lambda x: drop(x, batch, False), lambda x: x, m)
         return take(m, batch, slot, FATE_PREEMPTED)
 
-    def move_step(m, cand, sel, dst, gain, room, usable, slot, fate, start):
-        """Take candidates in order while not done: a row with n = sel's count fits when
-        `room(n, free)`; a row that does not fit under an offload marks the host short."""
+    def move_step(m, cand, sel_of, dst, gain, room, slot, fate, start):
+        """Take candidates in order while not done: a row with n = its `sel_of` entries fits
+        when `room(n, free)`; a row that does not fit under an offload marks the host short."""
+        sel = sel_of(m)
         n_row = jnp.sum(sel.astype(i32), axis=1)
         offload = fate == FATE_SUSPENDED
 
         def cond(carry):
             i, _, prog, _, _ = carry
-            return (i < v) & ~done(prog) & usable
+            return (i < v) & ~done(prog)
 
         def body(carry):
             i, fr, prog, short, taken = carry
@@ -355,32 +358,41 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
     for slot, name in enumerate(spec.slots):
         if name == "release":
             m = take(drop(m, valid, True), valid, slot, FATE_RELEASED)
-        elif name in _DROPS:
-            if name == "drop_idle":
-                cand = valid & untouched(m) & (status_v == SEQ_IDLE) & idle_ok
-            else:
-                cand = valid & run_idle & (untouched(m) | (m.fate == FATE_COMPRESSED))
-            m = drop_step(m, cand, slot, start)
+            meters.append((vcharged(m.charged), m.free))
+            continue
+        usable = jnp.bool_(True)
+        if name == "drop_idle":
+            cand = valid & untouched(m) & (status_v == SEQ_IDLE) & idle_ok
+            step = functools.partial(drop_step, cand=cand, slot=slot, start=start)
+        elif name == "preempt":
+            cand = valid & run_idle & (untouched(m) | (m.fate == FATE_COMPRESSED))
+            step = functools.partial(drop_step, cand=cand, slot=slot, start=start)
         elif name in ("offload_idle", "suspend_running"):
             status = SEQ_IDLE if name == "offload_idle" else SEQ_RUNNING
             cand = valid & untouched(m) & (status_v == status)
-            gain = units_dev[0] if quota else 1
-            m = move_step(m, cand, own0(m), c.host_pool, gain, lambda n, fr: n <= fr,
-                          jnp.bool_(True), slot, FATE_SUSPENDED, start)
-        elif name == "compress":
-            cp = spec.compress_pool
-            if spec.compress_gate is None:
-                usable = jnp.bool_(True)
-            else:
+            step = functools.partial(
+                move_step, cand=cand, sel_of=own0, dst=c.host_pool,
+                gain=units_dev[0] if quota else 1, room=lambda n, fr: n <= fr,
+                slot=slot, fate=FATE_SUSPENDED, start=start)
+        else:  # compress: own cold full pool-0 blocks, once the host alarm rings (or ungated)
+            if c.host_pool is not None:
                 used = c.pool_sizes[c.host_pool] - m.free[c.host_pool]
-                usable = m.short | (used >= spec.compress_gate)
+                usable = (gate < 0) | m.short | (used >= gate)
             cand = valid & untouched(m) & run_idle
-            tv = jnp.maximum(m.tab, 0)
-            cold = (pos + 1) * P <= seq_lens_v[:, None] - spec.keep_recent
-            sel = own0(m) & (fill[tv] == P) & cold
-            gain = (units_dev[0] - units_dev[cp]) if quota else 1
-            m = move_step(m, cand, sel, cp, gain, lambda n, fr: (n > 0) & (n <= fr), usable,
-                          slot, FATE_COMPRESSED, start)
+
+            def cold_full(x):
+                tv = jnp.maximum(x.tab, 0)
+                cold = (pos + 1) * P <= seq_lens_v[:, None] - keep_recent
+                return own0(x) & (fill[tv] == P) & cold
+
+            step = functools.partial(
+                move_step, cand=cand, sel_of=cold_full, dst=cp,
+                gain=(units_dev[0] - units_dev[cp]) if quota else 1,
+                room=lambda n, fr: (n > 0) & (n <= fr), slot=slot, fate=FATE_COMPRESSED,
+                start=start)
+        # a step with no candidate, unusable, or reached with the target met takes nothing
+        runs = jnp.any(cand) & usable & ~done(progress(m, start))
+        m = jax.lax.cond(runs, step, lambda x: x, m)
         meters.append((vcharged(m.charged), m.free))
 
     # ---- what the plan leaves ----------------------------------------------------------------
@@ -430,7 +442,9 @@ def plan_on_device(config, state, request, policy, tenant: int, target_of, now=N
     rows = victim_rows(policy, seqs, victims)
     target, unit = target_of(got["charged_blocks"], capacity)
     inactive = inactive_tenants(seqs, got["lease_expiry"], victims, now)
-    size = bucket(len(rows))
+    # Victim rows padded to a power of two, at least 64 (up to the sequence slots' bucket): few
+    # compiled sizes, and a tenant's rows at scale (128 of 8,192) stay a small scan.
+    size = min(bucket(max(len(rows), 64)), bucket(c.max_seqs))
     idle_ok = np.zeros(size, bool)
     idle_ok[:len(rows)] = np.isin(got["seq_tenant"][rows], list(inactive))
     victim_t = np.zeros(c.num_tenants, bool)
@@ -440,7 +454,7 @@ def plan_on_device(config, state, request, policy, tenant: int, target_of, now=N
         s.block_tables, s.seq_tenant, s.seq_status, s.seq_lens, tn.salt, b.ref_count,
         b.pin_count, b.payer, b.payer_refs, b.fill, b.hashed, tn.charged_blocks,
         jnp.asarray(capacity.astype(np.int32)), pad(rows, size), idle_ok, victim_t,
-        np.int32(target), np.int32(tenant), spec=spec_of(c, request, policy)))
+        np.int32(target), np.int32(tenant), knobs(c, policy), spec=spec_of(c, request, policy)))
     return _assemble(c, request, policy, rows, got, out, target, unit,
                      tuple(int(x) for x in got["version"]))
 
