@@ -202,6 +202,9 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
 
     # ---- settling a batch of dropped references (HostModel.drop / _settle) -----------------
     def heirs(m, touched_tenants, orphan, batch):
+        """(heir i32[NB] (T: none), its references i32[NB], charges' change i32[T, POOLS],
+        victims' units passed to non-victims) of the orphans: computed under a `lax.cond` that
+        returns only these fresh arrays (a branch returning the model would copy it)."""
         same = (salt[:, None] == salt[None, :]) & touched_tenants[None, :]
         salt_ok = jnp.any(same, axis=1)  # [T] tenant shares a dropped row's salt
         ok_full = other_rows & salt_ok[ten_full]
@@ -216,11 +219,10 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
         has = orphan & (heir < ntn)
         old = jnp.maximum(m.payer, 0)
         hc = jnp.minimum(heir, ntn - 1)
-        ch = m.charged.at[jnp.where(has, old, ntn), pool_nb].add(-1, mode="drop")
+        ch = jnp.zeros_like(m.charged).at[jnp.where(has, old, ntn), pool_nb].add(-1, mode="drop")
         ch = ch.at[jnp.where(has, heir, ntn), pool_nb].add(1, mode="drop")
         gone = has & victim_t[old] & ~victim_t[hc] & (units_dev[pool_nb] > 0)
-        inherited = m.inherited + jnp.sum(jnp.where(gone, units[pool_nb], 0))
-        payer = jnp.where(has, heir, m.payer)
+        inherited = jnp.sum(jnp.where(gone, units[pool_nb], 0))
         # the heir's references: entries of its rows (all rows, as they are now) naming the block
         tf = jnp.maximum(tables, 0)
         hit = (tables >= 0) & ~victim_row[:, None] & (ten_full[:, None] == heir[tf])
@@ -228,8 +230,19 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
         tv = jnp.maximum(m.tab, 0)
         hit = valid[:, None] & (m.tab >= 0) & (m.moved_pool < 0) & (ten_v[:, None] == heir[tv])
         cnt = cnt.at[jnp.where(hit, m.tab, nb)].add(1, mode="drop")
-        prefs = jnp.where(has, cnt, m.prefs)
-        return dataclasses.replace(m, charged=ch, inherited=inherited, payer=payer, prefs=prefs)
+        return heir, cnt, ch, inherited
+
+    def no_heirs(m):
+        return (jnp.full(nb, ntn, i32), jnp.zeros(nb, i32), jnp.zeros_like(m.charged),
+                jnp.int32(0))
+
+    eidx = jnp.arange(v * mb, dtype=i32).reshape(v, mb)
+
+    def firsts(ent, tab):
+        """bool[V, MB]: `ent` entries that are the first of `ent` naming their block (each block
+        counted once when a batch's entries are summed)."""
+        first = jnp.full(nb, v * mb, i32).at[jnp.where(ent, tab, nb)].min(eidx, mode="drop")
+        return ent & (first[jnp.maximum(tab, 0)] == eidx)
 
     def drop(m, batch, unpin):
         ent = batch[:, None] & (m.tab >= 0)
@@ -248,23 +261,35 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
         touched = jnp.zeros(nb, bool).at[ids].set(True, mode="drop")
         tenants = jnp.zeros(ntn, bool).at[jnp.where(batch, ten_v, ntn)].set(True, mode="drop")
         pin = m.pin
-        if unpin:
+        if unpin:  # a lease expiry's: every pin on the tenant's blocks, in a table or not
             unp = (m.payer == tenant) & (pin > 0)
             pin = jnp.where(unp, 0, pin)
-            touched = touched | unp
             tenants = tenants.at[tenant].set(True)
-        m = dataclasses.replace(m, ref=ref, prefs=prefs, pin=pin, charged=ch, free=fr,
+        # settle: held by nothing -> back to its pool (counted once per block: its first entry)
+        pool_e = pool_of(c, tv)
+        freed = firsts(plain, m.tab) & (ref[tv] == 0) & (pin[tv] == 0)
+        pay = m.payer[tv]
+        pay = jnp.where(pay < 0, pay + ntn, pay)  # as NumPy indexes (never, in a valid state)
+        ch = ch.at[jnp.where(freed, pay, ntn), pool_e].add(-1, mode="drop")
+        fr = fr.at[jnp.where(freed, pool_e, npools)].add(1, mode="drop")
+        if unpin:  # unpinned blocks no dropped entry names: paid by the tenant
+            alone = unp & ~touched & (ref == 0)
+            for p in range(npools):
+                k = jnp.sum((alone & (pool_nb == p)).astype(i32))
+                ch, fr = ch.at[tenant, p].add(-k), fr.at[p].add(k)
+            touched = touched | unp
+        gone = touched & (ref == 0) & (pin == 0)
+        m = dataclasses.replace(m, ref=ref, prefs=jnp.where(gone, 0, prefs), pin=pin,
+                                payer=jnp.where(gone, INVALID, m.payer), charged=ch, free=fr,
                                 tab=jnp.where(ent, INVALID, m.tab), alive=m.alive & ~batch)
-        # settle: held by nothing -> back to its pool; payer without references -> an heir
-        freed = touched & (m.ref == 0) & (m.pin == 0)
-        pc = jnp.where(m.payer < 0, m.payer + ntn, m.payer)  # as NumPy indexes (never, valid)
-        ch = m.charged.at[jnp.where(freed, pc, ntn), pool_nb].add(-1, mode="drop")
-        fr = m.free + jnp.zeros(npools, i32).at[pool_nb].add(freed.astype(i32))
-        m = dataclasses.replace(m, charged=ch, free=fr, payer=jnp.where(freed, INVALID, m.payer),
-                                prefs=jnp.where(freed, 0, m.prefs))
+        # payer without references -> an heir
         orphan = touched & (m.ref > 0) & (m.pin == 0) & (m.prefs == 0) & (m.payer >= 0)
-        return jax.lax.cond(jnp.any(orphan), lambda x: heirs(x, tenants, orphan, batch),
-                            lambda x: x, m)
+        heir, cnt, dch, inh = jax.lax.cond(
+            jnp.any(orphan), lambda x: heirs(x, tenants, orphan, batch), no_heirs, m)
+        has = orphan & (heir < ntn)
+        return dataclasses.replace(m, payer=jnp.where(has, heir, m.payer),
+                                   prefs=jnp.where(has, cnt, m.prefs), charged=m.charged + dch,
+                                   inherited=m.inherited + inh)
 
     # ---- steps ---------------------------------------------------------------------------------
     def own0(m):
@@ -277,7 +302,7 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
         return dataclasses.replace(m, fate=jnp.where(taken, fate, m.fate),
                                    steps=m.steps | jnp.where(taken, 1 << slot, 0))
 
-    def drop_step(m, cand, slot, start):
+    def drop_step(m, cand, slot, start, runs):
         crank = jnp.where(cand, jnp.cumsum(cand.astype(i32)) - 1, v)
         n_cand = jnp.sum(cand.astype(i32))
         plain = cand[:, None] & (m.tab >= 0) & (m.moved_pool < 0)
@@ -291,14 +316,17 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
         ids = jnp.where(ent, m.tab, nb)
         cnt = jnp.zeros(nb, i32).at[ids].add(1, mode="drop")
         rank = jnp.full(nb, -1, i32).at[ids].max(r2, mode="drop")
-        held = m.prefs if quota else m.ref
-        ev = (cnt > 0) & (cnt == held) & (m.pin == 0)
+        held = m.prefs[tv] if quota else m.ref[tv]
+        ev = firsts(ent, m.tab) & (cnt[tv] == held) & (m.pin[tv] == 0)
+        pool_e = pool_of(c, tv)
         if quota:
-            ev = ev & (m.payer >= 0) & victim_t[jnp.maximum(m.payer, 0)]
-            val, mval = units_dev[pool_nb], units_dev[jnp.maximum(m.moved_pool, 0)]
+            pay = m.payer[tv]
+            ev = ev & (pay >= 0) & victim_t[jnp.maximum(pay, 0)]
+            val, mval = units_dev[pool_e], units_dev[jnp.maximum(m.moved_pool, 0)]
         else:
-            val, mval = (pool_nb == 0).astype(i32), (m.moved_pool == 0).astype(i32)
-        gains = jnp.zeros(v + 1, i32).at[jnp.where(ev, rank, v)].add(val, mode="drop")
+            val, mval = (pool_e == 0).astype(i32), (m.moved_pool == 0).astype(i32)
+        gains = jnp.zeros(v + 1, i32).at[jnp.where(ev, rank[tv], v)].add(
+            jnp.where(ev, val, 0), mode="drop")
         gains = gains.at[jnp.where(mov, r2, v)].add(jnp.where(mov, mval, 0), mode="drop")
         prog = progress(m, start) + jnp.concatenate(
             [jnp.zeros(1, i32), jnp.cumsum(gains[:v])])  # after k rows, k = 0 .. V
@@ -306,20 +334,21 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
         reach = (prog >= target) & (k <= n_cand) & ~take_all
         n = jnp.where(jnp.any(reach), jnp.argmax(reach).astype(i32), n_cand)
         n = jnp.where(target > 0, n, 0)
+        n = jnp.where(runs, n, 0)
         batch = cand & (crank < n)
-        m = jax.lax.cond(n > 0, lambda x: drop(x, batch, False), lambda x: x, m)
-        return take(m, batch, slot, FATE_PREEMPTED)
+        return take(drop(m, batch, False), batch, slot, FATE_PREEMPTED)
 
-    def move_step(m, cand, sel_of, dst, gain, room, slot, fate, start):
+    def move_step(m, cand, sel_of, dst, gain, room, slot, fate, start, runs):
         """Take candidates in order while not done: a row with n = its `sel_of` entries fits
         when `room(n, free)`; a row that does not fit under an offload marks the host short."""
         sel = sel_of(m)
+        last = jnp.max(jnp.where(cand, jnp.arange(v, dtype=i32) + 1, 0))  # past the last one
         n_row = jnp.sum(sel.astype(i32), axis=1)
         offload = fate == FATE_SUSPENDED
 
         def cond(carry):
             i, _, prog, _, _ = carry
-            return (i < v) & ~done(prog)
+            return runs & (i < last) & ~done(prog)
 
         def body(carry):
             i, fr, prog, short, taken = carry
@@ -392,7 +421,7 @@ def _plan_core(tables, seq_tenant, seq_status, seq_lens, salt, ref, pin, payer, 
                 start=start)
         # a step with no candidate, unusable, or reached with the target met takes nothing
         runs = jnp.any(cand) & usable & ~done(progress(m, start))
-        m = jax.lax.cond(runs, step, lambda x: x, m)
+        m = jax.lax.cond(runs, functools.partial(step, runs=True), lambda x: x, m)
         meters.append((vcharged(m.charged), m.free))
 
     # ---- what the plan leaves ----------------------------------------------------------------
