@@ -28,6 +28,12 @@ Python inside the jit, each on the model the previous one left):
 Moved blocks keep their table entry, marked with their new pool (`moved_pool`): the host model
 gives them fresh ids and leaves the old ids free, and so does this model (ref 0, no payer).
 
+Cost: each drop step, the lease expiry's unpinning and the held bytes pass over the pool-sized
+per-block arrays, and each step that may modify them gets a copy inside its `lax.cond`; the
+host plan reads only the victims' blocks (`planner.plan_view`). On a CPU the host plan is so
+the faster of the two at 2^20 blocks (`plan_reclaim(..., on_host=True)`; bench_reclaim times
+the default); the device plan keeps the metadata where an accelerator holds it.
+
 What stays on the host (`host_reason`): a policy whose eviction step may run (the scorer's
 masks and the per-row copy-on-write steps), and a means registered by a user (its hooks are
 Python). `plan_reclaim` sends those to `planner.Planner`.
