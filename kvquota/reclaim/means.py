@@ -93,12 +93,17 @@ class DropIdle(_Drop):
     name = "drop_idle"
 
     def candidates(self, planner):
-        status, ten = planner.view.seqs.seq_status, planner.view.seqs.seq_tenant
-        running = set(ten[status == SEQ_RUNNING].tolist())
-        lease = planner.view.tenants.lease_expiry
-        inactive = {t for t in planner.victims if t not in running
-                    or (planner.now is not None and lease[t] <= planner.now)}
-        return [r for r in planner.untouched((SEQ_IDLE,)) if ten[r] in inactive]
+        seqs = planner.view.seqs
+        inactive = inactive_tenants(seqs, planner.view.tenants.lease_expiry, planner.victims,
+                                    planner.now)
+        return [r for r in planner.untouched((SEQ_IDLE,)) if seqs.seq_tenant[r] in inactive]
+
+
+def inactive_tenants(seqs, lease_expiry, victims, now) -> set[int]:
+    """The victims with no RUNNING sequence, or whose lease ended by `now` (None: no clock)."""
+    running = set(seqs.seq_tenant[seqs.seq_status == SEQ_RUNNING].tolist())
+    return {t for t in victims if t not in running
+            or (now is not None and lease_expiry[t] <= now)}
 
 
 class Preempt(_Drop):

@@ -1,7 +1,8 @@
 """plan_reclaim and apply_plan: the reclaim in one action, validated (`Allocator` delegates here).
 
-plan_reclaim reads to the host the metadata the victims' blocks touch and plans there
-(kvquota.reclaim.planner);
+plan_reclaim plans on the device in one jitted call (kvquota.reclaim.device_plan), or, for what
+that does not cover and as the tests' oracle, reads to the host the metadata the victims'
+blocks touch and plans there (kvquota.reclaim.planner);
 apply_plan runs each step through the validated ops in `kvquota.core` and measures what each step
 really returned from the state itself (charges and allocatable capacity before and after), so the
 report's bytes are observed, not copied from the plan — tests hold them equal. A plan records
@@ -36,6 +37,7 @@ from kvquota.reclaim.plan import (
     SeqArchive,
     get_reclaim_policy,
 )
+from kvquota.reclaim.device_plan import host_reason, plan_on_device
 from kvquota.reclaim.means import get_means
 from kvquota.reclaim.planner import Planner, plan_view
 from kvquota.validation import int_scalar, tenant_id
@@ -48,10 +50,14 @@ def _capacity(config, state) -> np.ndarray:
 
 
 def plan_reclaim(config, state, request: ReclaimRequest, policy="tiered", *,
-                 now: Optional[int] = None) -> ReclaimPlan:
+                 now: Optional[int] = None, on_host: bool = False) -> ReclaimPlan:
     """Plan a reclaim without changing the state: ordered steps with their exact bytes,
     every affected sequence's fate and resume cost, the shortfall. `now` (a step) marks
-    tenants whose lease ended as inactive for the drop_idle means."""
+    tenants whose lease ended as inactive for the drop_idle means.
+
+    The plan is made on the device in one jitted call (`device_plan`), except where
+    `device_plan.host_reason` names a reason (a policy that may evict, a user's means); `on_host`
+    makes it with the host model (`planner.Planner`), the oracle the tests compare it with."""
     c = config
     pol = get_reclaim_policy(policy)
     if not isinstance(request, ReclaimRequest) or request.kind not in REQUEST_KINDS:
@@ -68,6 +74,20 @@ def plan_reclaim(config, state, request: ReclaimRequest, policy="tiered", *,
     elif request.kind == "quota_cut":
         new_units = quota_units(c, request.byte_quota)
 
+    def target_of(charged_blocks, capacity):
+        """(target, bytes per unit): pool-0 blocks to make allocatable (make room), or device
+        units the tenant is charged above its new quota (quota cut) or at all (lease expiry)."""
+        if request.kind == "make_room":
+            return max(0, -(-need // c.pool_bytes[0]) - int(capacity[0])), c.pool_bytes[0]
+        dev_units = np.asarray([u if d else 0 for u, d in zip(c.pool_units, c.device_pools)])
+        charged = int((np.asarray(charged_blocks)[t] * dev_units).sum())
+        if request.kind == "quota_cut":
+            return max(0, charged - new_units), c.unit_bytes
+        return charged, c.unit_bytes
+
+    if not on_host and host_reason(pol, request) is None:
+        return plan_on_device(c, state, request, pol, t, target_of, now)
+
     def victims_of(view):  # make room: every other registered tenant; else the request's
         if request.kind == "make_room":
             return [int(v) for v in np.flatnonzero(view.tenants.registered) if v != t]
@@ -76,17 +96,7 @@ def plan_reclaim(config, state, request: ReclaimRequest, policy="tiered", *,
     view = plan_view(c, state, victims_of)
     victims = view.victims
     capacity = _capacity(c, state)
-    dev_units = np.asarray([u if d else 0 for u, d in zip(c.pool_units, c.device_pools)])
-    if request.kind == "make_room":
-        target = max(0, -(-need // c.pool_bytes[0]) - int(capacity[0]))  # pool-0 blocks
-        unit = c.pool_bytes[0]
-    else:
-        unit = c.unit_bytes
-        charged = int((view.tenants.charged_blocks[t] * dev_units).sum())
-        if request.kind == "quota_cut":
-            target = max(0, charged - new_units)
-        else:
-            target = charged
+    target, unit = target_of(view.tenants.charged_blocks, capacity)
     masks = _evict_masks(c, state, view, victims, pol) if (
         pol.allow_evict and "evict" in pol.means) else {}
     planner = Planner(c, view, capacity, request, pol, victims, target, now, masks)

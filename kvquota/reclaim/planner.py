@@ -135,6 +135,20 @@ def _local_ids(config, ids, blocks) -> np.ndarray:
     return local[blocks]
 
 
+def victim_rows(policy, seqs, victims) -> np.ndarray:
+    """The victims' sequences (every status but free), in the policy's victim order: newest
+    `birth` first, most `seq_lens` first, or lowest priority first; ties by sequence id."""
+    rows = np.flatnonzero(np.isin(seqs.seq_tenant, victims) & (seqs.seq_status != SEQ_FREE))
+    if policy.victim_order == "newest":
+        key = -seqs.birth[rows].astype(np.int64)
+    elif policy.victim_order == "largest":
+        key = -seqs.seq_lens[rows].astype(np.int64)
+    else:
+        prio = dict(policy.priorities)
+        key = np.array([prio.get(int(r), 0) for r in rows], np.int64)
+    return rows[np.argsort(key, kind="stable")]
+
+
 class Planner:
     """One plan: the model, the victims, the target, and the steps taken so far."""
 
@@ -148,8 +162,7 @@ class Planner:
         self.now = now
         self.evict_masks = evict_masks  # row -> bool[MB] kept blocks (the policy's choice)
         s = view.seqs
-        mine = np.isin(s.seq_tenant, victims) & (s.seq_status != SEQ_FREE)
-        self.rows = [int(r) for r in self._order(np.flatnonzero(mine))]
+        self.rows = [int(r) for r in victim_rows(policy, s, victims)]
         self.fate = {r: FATE_UNTOUCHED for r in self.rows}
         self.moved = {}  # row -> blocks moved to host
         self.steps: list[PlanStep] = []
@@ -162,16 +175,6 @@ class Planner:
             self.compress_pool = 1 + names.index(policy.compress_format or names[0])
         self.recorded = self.m.meters()  # (charged, free) as the last recorded step left them
 
-    def _order(self, rows):
-        p, s = self.policy, self.view.seqs
-        if p.victim_order == "newest":
-            key = -s.birth[rows].astype(np.int64)
-        elif p.victim_order == "largest":
-            key = -s.seq_lens[rows].astype(np.int64)
-        else:
-            prio = dict(p.priorities)
-            key = np.array([prio.get(int(r), 0) for r in rows], np.int64)
-        return rows[np.argsort(key, kind="stable")]
 
     def progress(self) -> int:
         """Units gained so far toward the target."""
@@ -284,3 +287,11 @@ class Planner:
         held_shared = int((units * shared).sum()) + m.inherited_by_others
         return pinned * c.unit_bytes, held_shared * c.unit_bytes
 
+
+
+def plan_on_host(config, state, request, policy="tiered", *, now=None):
+    """`plan_reclaim` made by the host model (this module's Planner) whatever the policy: the
+    oracle the device plan (`kvquota.reclaim.device_plan`) is tested against."""
+    from kvquota.reclaim.ops import plan_reclaim  # ops imports this module
+
+    return plan_reclaim(config, state, request, policy, now=now, on_host=True)

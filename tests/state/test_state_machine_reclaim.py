@@ -4,7 +4,8 @@ pins (pin_prefix of a running sequence, private or shared across the two tenants
 rebalance and plan_reclaim -> apply_plan (every preset, every request kind) mixed in, with cold
 cached blocks off and on. After every step: check_invariants (the ledger recomputed from the
 tables, exactly: drift 0 per tenant and pool) and every block's pin_count equal to the pins the
-machine holds. After every apply: each step's measured bytes equal the plan's, the returned
+machine holds. Every plan (made on the device, plan_reclaim's default) equals the host model's
+(`plan_on_host`) exactly: steps, fates, shortfall, held bytes. After every apply: each step's measured bytes equal the plan's, the returned
 pool-0 capacity is allocatable at once by a top-up, and pinned blocks were never reclaimable
 (DESIGN.md): every block pinned before the plan is still pinned as often, resident (on no free
 list, same payer and tokens) and on the device — save a lease expiry's, whose release drops
@@ -27,6 +28,8 @@ from kvquota.allocator import Allocator
 from kvquota.codes import OK, REFUSED_BYTE_QUOTA, REFUSED_GROWING, REFUSED_TOKEN_QUOTA
 from kvquota.invariants import recompute
 from kvquota.reclaim import PRESETS, ReclaimRequest
+from kvquota.reclaim.device_plan import host_reason
+from kvquota.reclaim.planner import plan_on_host
 from tests.state.common import BLOCK, TINY, fresh, prompts
 from tests.state import test_state_machine_tiers as tiers
 
@@ -199,6 +202,10 @@ class ReclaimMachine(tiers.TierMachine):
         c = self.CONFIG
         pre = self._pin_view()
         plan = self.alloc.plan_reclaim(self.s, req, policy)
+        # The device plan (plan_reclaim's default) equals the host model's, exactly.
+        oracle = plan_on_host(c, self.s, req, policy)
+        assert plan == oracle, f"device:\n{plan}\nhost:\n{oracle}"
+        STATS["device plans compared"] += host_reason(plan.policy, req) is None
         cap = int(self.alloc.allocatable_blocks(self.s)[0])
         self.s, rep = self.alloc.apply_plan(self.s, plan, donate=donate)
         got = [dataclasses.replace(s, per_seq=()) for s in rep.steps]
@@ -279,7 +286,7 @@ FAST = settings(tiers.FAST, max_examples=12, stateful_step_count=40)  # ~1 min a
 FLOORS = {"reclaim quota_cut": 5, "reclaim lease_expiry": 5, "reclaim make_room": 5,
           "reclaim steps": 5, "preempts": 3, "idles": 2, "top-ups": 2,
           "pins": 5, "unpins": 2, "pinned private blocks": 5, "pinned shared blocks": 1,
-          "reclaims holding pins": 2}
+          "reclaims holding pins": 2, "device plans compared": 5}
 
 
 def _run(machine, how, capsys):
