@@ -271,11 +271,13 @@ class Allocator:
 
     # ---- reclaim in one action ---------------------------------------------------------------
     def plan_reclaim(self, state, request: ReclaimRequest, policy="tiered", *,
-                     now: Optional[int] = None) -> ReclaimPlan:
+                     now: Optional[int] = None, on_device: bool = False) -> ReclaimPlan:
         """Plan a reclaim without changing the state: ordered steps with their exact bytes,
         every affected sequence's fate and resume cost, the shortfall. `now` (a step) marks
-        tenants whose lease ended as inactive for the drop_idle means."""
-        return self._query(reclaim_ops.plan_reclaim, state, request, policy, now=now)
+        tenants whose lease ended as inactive for the drop_idle means. `on_device`: plan in
+        one jitted call over the state's arrays (the same plan; see reclaim.device_plan)."""
+        return self._query(reclaim_ops.plan_reclaim, state, request, policy, now=now,
+                           on_device=on_device)
 
     def apply_plan(self, state, plan: ReclaimPlan, *, donate=False) -> tuple:
         """Run `plan` on the state it was made for (PlanMismatchError otherwise): set the new

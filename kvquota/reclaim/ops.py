@@ -1,8 +1,8 @@
 """plan_reclaim and apply_plan: the reclaim in one action, validated (`Allocator` delegates here).
 
-plan_reclaim plans on the device in one jitted call (kvquota.reclaim.device_plan), or, for what
-that does not cover and as the tests' oracle, reads to the host the metadata the victims'
-blocks touch and plans there (kvquota.reclaim.planner);
+plan_reclaim reads to the host the metadata the victims' blocks touch and plans there
+(kvquota.reclaim.planner), or, with `on_device=True`, plans on the device in one jitted call
+(kvquota.reclaim.device_plan: equal plans; on a CPU at 2^20 blocks the host plan is the faster);
 apply_plan runs each step through the validated ops in `kvquota.core` and measures what each step
 really returned from the state itself (charges and allocatable capacity before and after), so the
 report's bytes are observed, not copied from the plan — tests hold them equal. A plan records
@@ -50,14 +50,15 @@ def _capacity(config, state) -> np.ndarray:
 
 
 def plan_reclaim(config, state, request: ReclaimRequest, policy="tiered", *,
-                 now: Optional[int] = None, on_host: bool = False) -> ReclaimPlan:
+                 now: Optional[int] = None, on_device: bool = False) -> ReclaimPlan:
     """Plan a reclaim without changing the state: ordered steps with their exact bytes,
     every affected sequence's fate and resume cost, the shortfall. `now` (a step) marks
     tenants whose lease ended as inactive for the drop_idle means.
 
-    The plan is made on the device in one jitted call (`device_plan`), except where
-    `device_plan.host_reason` names a reason (a policy that may evict, a user's means); `on_host`
-    makes it with the host model (`planner.Planner`), the oracle the tests compare it with."""
+    The plan is made with the host model over the victims' blocks (`planner.Planner`); with
+    `on_device` in one jitted call over the state's arrays (`device_plan`, equal plans, tested
+    against the host model), except where `device_plan.host_reason` names a reason (a policy
+    that may evict, a user's means)."""
     c = config
     pol = get_reclaim_policy(policy)
     if not isinstance(request, ReclaimRequest) or request.kind not in REQUEST_KINDS:
@@ -85,7 +86,7 @@ def plan_reclaim(config, state, request: ReclaimRequest, policy="tiered", *,
             return max(0, charged - new_units), c.unit_bytes
         return charged, c.unit_bytes
 
-    if not on_host and host_reason(pol, request) is None:
+    if on_device and host_reason(pol, request) is None:
         return plan_on_device(c, state, request, pol, t, target_of, now)
 
     def victims_of(view):  # make room: every other registered tenant; else the request's

@@ -286,12 +286,3 @@ class Planner:
         shared = victim & (m.pin == 0) & (m.ref > own_refs)
         held_shared = int((units * shared).sum()) + m.inherited_by_others
         return pinned * c.unit_bytes, held_shared * c.unit_bytes
-
-
-
-def plan_on_host(config, state, request, policy="tiered", *, now=None):
-    """`plan_reclaim` made by the host model (this module's Planner) whatever the policy: the
-    oracle the device plan (`kvquota.reclaim.device_plan`) is tested against."""
-    from kvquota.reclaim.ops import plan_reclaim  # ops imports this module
-
-    return plan_reclaim(config, state, request, policy, now=now, on_host=True)

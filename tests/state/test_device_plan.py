@@ -1,5 +1,5 @@
-"""The device plan (`kvquota.reclaim.device_plan`, plan_reclaim's default) equals the host model's
-plan (`planner.plan_on_host`, the oracle) exactly — steps with their bytes and rows, fates with
+"""The device plan (`kvquota.reclaim.device_plan`, `plan_reclaim(..., on_device=True)`) equals the
+host model's plan (plan_reclaim's default, the oracle) exactly — steps with their bytes and rows, fates with
 their resume costs, shortfall, pinned and shared bytes held, version — for every preset and
 request kind on the states the reclaim tests build; and each device plan applies as planned,
 with check_invariants after every transformation. The Hypothesis reclaim machine
@@ -15,7 +15,6 @@ from kvquota.reclaim import PRESETS, ReclaimPolicy, ReclaimRequest, register
 from kvquota.reclaim import planner as planner_mod
 from kvquota.reclaim.device_plan import host_reason
 from kvquota.reclaim.means import REGISTRY
-from kvquota.reclaim.planner import plan_on_host
 from kvquota.sentinel import INVALID
 from tests.state import test_quota_bugs as qb
 from tests.state import test_reclaim as tr
@@ -50,8 +49,8 @@ def _compare(alloc, s, policy, requests, *, apply=True, now=None):
     """Device plan == host plan for each request; the device plan applies as planned."""
     alloc.check(s)
     for req in requests:
-        plan = alloc.plan_reclaim(s, req, policy, now=now)
-        oracle = plan_on_host(alloc.config, s, req, policy, now=now)
+        plan = alloc.plan_reclaim(s, req, policy, now=now, on_device=True)
+        oracle = alloc.plan_reclaim(s, req, policy, now=now)
         assert plan == oracle, f"{req}\ndevice:\n{plan}\nhost:\n{oracle}"
         if apply:
             s2, rep = alloc.apply_plan(s, plan)
@@ -146,7 +145,7 @@ def test_drop_idle_with_a_clock():
     """`now` past tenant 0's lease makes it inactive: drop_idle takes its idle session."""
     alloc, s = tr.scenario()
     s, _ = alloc.set_lease(s, 0, 5)
-    plan = alloc.plan_reclaim(s, ReclaimRequest.quota_cut(0, 0), "tiered", now=7)
+    plan = alloc.plan_reclaim(s, ReclaimRequest.quota_cut(0, 0), "tiered", now=7, on_device=True)
     assert plan.steps[0].means == "drop_idle"
     _compare(alloc, s, "tiered", _requests((0, 2), blocks=(0, 2)), now=7)
     _compare(alloc, s, "tiered", _requests((0,), blocks=(0, 2)), now=3, apply=False)
@@ -154,7 +153,8 @@ def test_drop_idle_with_a_clock():
 
 def test_grow_no_admit_fates():
     alloc, s = tr.scenario()
-    plan = alloc.plan_reclaim(s, ReclaimRequest.quota_cut(0, 0), "grow-no-admit")
+    plan = alloc.plan_reclaim(s, ReclaimRequest.quota_cut(0, 0), "grow-no-admit",
+                              on_device=True)
     assert {f.seq: f.fate for f in plan.fates}[0] == FATE_GROWING and not plan.steps
 
 
@@ -170,11 +170,11 @@ def test_the_device_plans_every_preset_without_the_host_model(monkeypatch):
     for name, policy in PRESETS.items():
         for req in _requests((0, 2), blocks=(0, 2)):
             if host_reason(policy, req) is None:
-                alloc.plan_reclaim(s, req, policy)
+                alloc.plan_reclaim(s, req, policy, on_device=True)
             else:
                 assert name == "evict-first" and req.kind != "lease_expiry"
                 with pytest.raises(AssertionError, match="host planner ran"):
-                    alloc.plan_reclaim(s, req, policy)
+                    alloc.plan_reclaim(s, req, policy, on_device=True)
 
 
 def test_host_reasons_are_named():

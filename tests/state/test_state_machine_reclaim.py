@@ -4,8 +4,8 @@ pins (pin_prefix of a running sequence, private or shared across the two tenants
 rebalance and plan_reclaim -> apply_plan (every preset, every request kind) mixed in, with cold
 cached blocks off and on. After every step: check_invariants (the ledger recomputed from the
 tables, exactly: drift 0 per tenant and pool) and every block's pin_count equal to the pins the
-machine holds. Every plan (made on the device, plan_reclaim's default) equals the host model's
-(`plan_on_host`) exactly: steps, fates, shortfall, held bytes. After every apply: each step's measured bytes equal the plan's, the returned
+machine holds. Every plan made on the device (`on_device=True`) equals the host model's
+(plan_reclaim's default) exactly: steps, fates, shortfall, held bytes. After every apply: each step's measured bytes equal the plan's, the returned
 pool-0 capacity is allocatable at once by a top-up, and pinned blocks were never reclaimable
 (DESIGN.md): every block pinned before the plan is still pinned as often, resident (on no free
 list, same payer and tokens) and on the device — save a lease expiry's, whose release drops
@@ -29,7 +29,6 @@ from kvquota.codes import OK, REFUSED_BYTE_QUOTA, REFUSED_GROWING, REFUSED_TOKEN
 from kvquota.invariants import recompute
 from kvquota.reclaim import PRESETS, ReclaimRequest
 from kvquota.reclaim.device_plan import host_reason
-from kvquota.reclaim.planner import plan_on_host
 from tests.state.common import BLOCK, TINY, fresh, prompts
 from tests.state import test_state_machine_tiers as tiers
 
@@ -201,9 +200,9 @@ class ReclaimMachine(tiers.TierMachine):
                "make_room": ReclaimRequest.make_room(tenant, blocks * BLOCK)}[kind]
         c = self.CONFIG
         pre = self._pin_view()
-        plan = self.alloc.plan_reclaim(self.s, req, policy)
-        # The device plan (plan_reclaim's default) equals the host model's, exactly.
-        oracle = plan_on_host(c, self.s, req, policy)
+        plan = self.alloc.plan_reclaim(self.s, req, policy, on_device=True)
+        # The device plan equals the host model's (plan_reclaim's default), exactly.
+        oracle = self.alloc.plan_reclaim(self.s, req, policy)
         assert plan == oracle, f"device:\n{plan}\nhost:\n{oracle}"
         STATS["device plans compared"] += host_reason(plan.policy, req) is None
         cap = int(self.alloc.allocatable_blocks(self.s)[0])
