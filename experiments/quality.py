@@ -62,7 +62,6 @@ from absl import flags
 
 import kvquota as kq
 from configs import quality as qc
-from kvquota.core.evict import token_view
 from experiments import cli, runs
 
 FLAGS = flags.FLAGS
@@ -490,14 +489,12 @@ class Bench:
         return kept
 
     def _keep_mask(self, method, keep, options, aggregate):
-        """The policy's keep mask of every row of the prefilled state, bool[n, L, Hkv, width],
-        from the TokenView evict builds (mass, key norms, the last step's attention)."""
-        sc, state = self.engine.state_config, self.base
-        tables = np.asarray(state.seqs.block_tables)[self.seqs]
-        policy = kq.get_policy(method, recent=min(self.preset.window, keep), **options)
-        view = token_view(sc, state, self.seqs, tables, policy, self.last_mass, aggregate)
-        mask = np.asarray(policy.keep_mask(view, jnp.full((len(self.seqs),), keep, jnp.int32)))
-        m = sc.model
+        """The policy's keep mask of every row of the prefilled state, bool[n, L, Hkv, width]
+        (`Allocator.keep_mask`: what evict with these arguments keeps)."""
+        mask = self.alloc.keep_mask(self.base, self.seqs, policy=method, keep_tokens=keep,
+                                    recent=min(self.preset.window, keep), aggregate=aggregate,
+                                    attention=self.last_mass, **options)
+        m = self.engine.state_config.model
         return np.broadcast_to(mask, (len(self.seqs), m.num_layers, m.num_kv_heads,
                                       mask.shape[-1]))
 

@@ -245,6 +245,15 @@ class Allocator:
                         mode=mode, aggregate=aggregate, attention=attention, donate=donate,
                         **options)
 
+    def keep_mask(self, state, seq_ids, *, policy, keep_tokens, aggregate=None, attention=None,
+                  **options):
+        """The tokens `evict` in token mode with these arguments would keep, bool[B, L, Hkv, C]
+        (L = Hkv = 1 with aggregate "global"), without changing the state: what an experiment
+        compares the evicted pages against."""
+        return self._query(evict.keep_mask, state, seq_ids, policy=policy,
+                           keep_tokens=keep_tokens, aggregate=aggregate, attention=attention,
+                           **options)
+
     # ---- session lifecycle -------------------------------------------------------------------
     def set_idle(self, state, seq_ids, *, donate=False):
         """RUNNING -> IDLE: a multi-turn session between turns keeps its KV, appends refused."""

@@ -322,13 +322,9 @@ _fresh_block_count = jax.jit(fresh_block_count, static_argnums=(0,))
 AGGREGATES = ("head", "global")
 
 
-def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, mode="token",
-          aggregate=None, attention=None, donate=False, **options):
-    """Allocator.evict: the policy's keep mask computed on the host view, then room for the
-    copies on write checked by the core's own count. `aggregate` "head" (the default in token
-    mode on a state with pages): each layer and KV head keeps its own top tokens; "global" (the
-    only choice for block mode and metadata-only states): one set for the whole model, scored
-    on the statistics summed over layers and heads."""
+def _checked(config, state, seq_ids, policy, keep_tokens, mode, aggregate, options):
+    """The facade's checks of an eviction's arguments: (policy, ids, real ids, keep, aggregate,
+    tables i32[B, MB])."""
     c = config
     pol = get_policy(policy, **options)
     ids, real = seq_batch(c, state, seq_ids, "evict", (SEQ_RUNNING, SEQ_IDLE))
@@ -350,6 +346,29 @@ def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, 
     if mode == "token" and (tables >= c.num_blocks).any():
         raise TierError("evict: a sequence holds compressed blocks; token eviction rewrites "
                         "pool-0 pages only (use mode='block')")
+    return pol, ids, real, keep, aggregate, tables
+
+
+def keep_mask(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens,
+              aggregate=None, attention=None, **options) -> np.ndarray:
+    """Allocator.keep_mask: the tokens a token-mode `evict` with these arguments keeps, bool[B,
+    L, Hkv, C] (L = Hkv = 1 with aggregate "global"), the state unchanged."""
+    pol, ids, _, keep, aggregate, tables = _checked(config, state, seq_ids, policy, keep_tokens,
+                                                    "token", aggregate, options)
+    view = token_view(config, state, ids, tables, pol, attention, aggregate)
+    return np.asarray(pol.keep_mask(view, np.full(ids.size, keep, np.int32)))
+
+
+def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, mode="token",
+          aggregate=None, attention=None, donate=False, **options):
+    """Allocator.evict: the policy's keep mask computed on the host view, then room for the
+    copies on write checked by the core's own count. `aggregate` "head" (the default in token
+    mode on a state with pages): each layer and KV head keeps its own top tokens; "global" (the
+    only choice for block mode and metadata-only states): one set for the whole model, scored
+    on the statistics summed over layers and heads."""
+    c = config
+    pol, ids, real, keep, aggregate, tables = _checked(c, state, seq_ids, policy, keep_tokens,
+                                                       mode, aggregate, options)
     view = token_view(c, state, ids, tables, pol, attention, aggregate)
     if mode == "token":
         mask = np.asarray(pol.keep_mask(view, np.full(ids.size, keep, np.int32)))

@@ -175,6 +175,8 @@ def test_per_head_eviction_keeps_each_heads_own_tokens():
     before = snapshot(s)
     other = _seq_pages(before, 1)
     charged = int(alloc.ledger(s).device_bytes[0])
+    mask = alloc.keep_mask(s, [0, INVALID], policy="h2o", keep_tokens=3, recent=1)
+    assert mask.shape == (2, LAYERS, HEADS, WIDTH) and leaves_equal(before, s)
     s, rep = alloc.evict(s, [0, INVALID], policy="h2o", keep_tokens=3, recent=1)
     alloc.check(s)
     assert _ints(rep.evicted_tokens) == [4, 0] and int(s.seqs.seq_lens[0]) == 3
@@ -182,6 +184,7 @@ def test_per_head_eviction_keeps_each_heads_own_tokens():
     chosen = set()
     for layer, head in np.ndindex(LAYERS, HEADS):
         kept = _top_k(mass[0, layer, head], 7, 3, recent=1)
+        assert np.flatnonzero(mask[0, layer, head]).tolist() == kept
         chosen.add(tuple(kept))
         k_before, v_before = _head_pages(before, 0, layer, head)
         k_after, v_after = _head_pages(s, 0, layer, head)
