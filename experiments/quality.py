@@ -432,6 +432,7 @@ class Bench:
         tokens, as a share of all of it (`future_mass` [n, L, Hkv, width])."""
         self.last_mass = self.context_phase()
         self.base = self.engine.state
+        self._base_pages = None  # host copies of its pool-0 K/V (`_check_survivors`)
         self.alloc.check(self.base)
         self.base_bytes = self.device_bytes(self.base)
         eng = self.engine
@@ -502,7 +503,10 @@ class Bench:
         """In every layer and KV head the evicted state holds exactly the K and V of the context
         tokens the mask keeps for that head, in order."""
         p = self.preset.block_size
-        pages = [np.asarray(a) for a in (self.base.pages[0].k, self.base.pages[0].v)]
+        if self._base_pages is None:  # the prefilled state's pages, read once for every method
+            self._base_pages = [np.asarray(a) for a in (self.base.pages[0].k,
+                                                         self.base.pages[0].v)]
+        pages = self._base_pages
         now = [np.asarray(a) for a in (self.engine.state.pages[0].k,
                                         self.engine.state.pages[0].v)]
         tables = [np.asarray(st.seqs.block_tables)[self.seqs] for st in (self.base,

@@ -419,10 +419,10 @@ def token_view(config: StateConfig, state: KVState, ids, tables, policy, attenti
         k = state.pages[0].k[:, :, np.minimum(safe, c.num_blocks - 1)]  # [L, H, B, MB, P, D]
         sq = jnp.square(k.astype(jnp.float32))
         if per_head:
-            norm = jnp.moveaxis(jnp.sqrt(jnp.sum(sq, axis=-1)).reshape(*k.shape[:3], width), 2, 0)
+            key_norm = jnp.moveaxis(jnp.sqrt(jnp.sum(sq, axis=-1)).reshape(*k.shape[:3], width),
+                                    2, 0)
         else:
-            norm = jnp.sqrt(jnp.sum(sq, axis=(0, 1, -1))).reshape(b, 1, 1, width)
-        key_norm = norm
+            key_norm = jnp.sqrt(jnp.sum(sq, axis=(0, 1, -1))).reshape(b, 1, 1, width)
     if "last_attention" in policy.needs:
         if attention is None:
             raise InvalidArgumentError(f"policy {policy.name!r} needs attention= (the last "
