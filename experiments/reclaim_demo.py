@@ -267,7 +267,8 @@ def describe(m: dict) -> str:
                "blocks it counted when the request comes back):")
     for a in m["answers"]:
         if a.get("released_step") is not None:
-            outcome = (f"{a['finish']}: released at step {a['released_step']} after "
+            why = a["finish"].partition(": ")[2].replace("_", " ")
+            outcome = (f"released at step {a['released_step']} ({why}) after "
                        f"{len(a['tokens'])} tokens ({a['tokens_as_reference']} as in the run "
                        "without events)")
         else:
@@ -381,7 +382,7 @@ def plot(points, metrics, out_dir) -> list[str]:
     names = sorted({n for p in points for n in p.get("requests", {})})
     fig = plt.figure(figsize=(11, 11.5))
     heights = [1.0, 0.3 * len(actions), 1.8, 1.8, 1.1, 0.35 * max(len(names), 1)]
-    grid = fig.add_gridspec(6, 1, height_ratios=heights, left=0.1, right=0.75, top=0.95,
+    grid = fig.add_gridspec(6, 1, height_ratios=heights, left=0.12, right=0.75, top=0.95,
                             bottom=0.05, hspace=0.12)
     ax_ev, ax_act, ax_dev, ax_quota, ax_host, ax_lane = [fig.add_subplot(grid[i])
                                                          for i in range(6)]
@@ -459,12 +460,20 @@ def plot(points, metrics, out_dir) -> list[str]:
                          va="center")
         elif end is not None:
             ax_lane.plot(steps[end], y, "k|", ms=9, mew=2)
+    fated = {"suspended": "suspended", "preempted": "preempted", "compressed": "lossy",
+             "evicted": "lossy"}  # a fate shows even when the same step undoes it (a restore)
+    for f in metrics["fates"]:
+        if f["request"] in names and f["fate"] in fated:
+            ax_lane.plot(f["step"], names.index(f["request"]), "D", ms=6, mec="k", mew=0.8,
+                         color=LANES[fated[f["fate"]]][0])
     ax_lane.set_yticks(range(len(names)), names, fontsize=8)
     ax_lane.set_ylim(max(len(names), 1) - 0.5, -0.5)
     ax_lane.set_xlabel("step")
     ax_lane.legend(handles=[Patch(color=c, label=label) for c, label in LANES.values()] + [
         Line2D([], [], color="k", marker="|", ls="", ms=9, mew=2, label="finished"),
-        Line2D([], [], color="k", marker="X", ls="", ms=7, label="released (lease)")],
+        Line2D([], [], color="k", marker="X", ls="", ms=7, label="released (lease)"),
+        Line2D([], [], color="w", marker="D", mec="k", ls="", ms=6,
+               label="a reclaim's fate (its colour)")],
         fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for ax in (ax_ev, *panels[:-1]):
         ax.tick_params(labelbottom=False)
