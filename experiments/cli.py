@@ -214,7 +214,10 @@ def define_kv_format(default: str, allowed: Sequence[str] | None = None, refused
 
 
 def define_progress() -> None:
-    """--progress (on; --noprogress turns it off): progress of long work on stderr."""
+    """--progress (on; --noprogress turns it off): progress of long work on stderr. A program
+    that defined its own --progress first (with its own help) keeps it."""
+    if "progress" in FLAGS:
+        return
     flags.DEFINE_boolean("progress", True, "Show the progress of long work on stderr "
                          "(--noprogress: quiet).", module_name=_main_module())
 
