@@ -286,8 +286,9 @@ def int_list(name: str) -> list[int]:
 
 PACKAGED_WEIGHTS = ("smollm2-135m",)  # presets kq.load_pretrained finds without a path
 def define_model_source(default_format: str = "f32") -> None:
-    """--model, --weights, --kv_format and the cache-policy flags of a program that runs a
-    model on the paged cache."""
+    """--model, --weights, --kv_format, the cache-policy flags and --progress of a program that
+    runs a model on the paged cache."""
+    define_progress()
     define_model(extra_help=f"Weights ship only for {', '.join(PACKAGED_WEIGHTS)}; other "
                             "presets need --weights.")
     flags.DEFINE_string(
