@@ -35,7 +35,7 @@ import numpy as np
 
 from configs.models import ModelConfig
 from kvquota.core.statistics import record_mass_core
-from kvquota.errors import ContextTooLongError
+from kvquota.errors import ContextTooLongError, InvalidArgumentError
 from kvquota.model.caches import ChunkMeta, PagedKV
 from kvquota.model.decoder import Decoder
 from kvquota.sentinel import INVALID
@@ -49,8 +49,8 @@ from kvquota.serving.sampling import Sampling, sample_tokens
                    donate_argnames=("state",))
 def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_new, positions,
                    *, last_only: bool, pool_starts: tuple[int, ...], record=None):
-    """One chunk over the paged state (donates `state`); with `record` (static, decode only: a
-    StateConfig) the step's attention mass (f32[B, L, Hkv, M * P]) is added into
+    """One chunk over the paged state (donates `state`); with `record` (static: a StateConfig)
+    the chunk's attention mass (f32[B, L, Hkv, M * P], summed over its queries) is added into
     `blocks.head_mass` and, summed, `blocks.attn_mass`, and returned too.
 
     seq_ids i32[B] (INVALID rows are padding), tokens/positions i32[B, T], start/num_new i32[B].
@@ -270,13 +270,15 @@ class PagedEngine(_Engine):
       chunk_size: prefill chunk length (tokens per sequence per forward call).
       backend: `kernels.paged_attention` backend ("auto": Pallas on GPU, reference on CPU).
       state: an existing state to serve from (default: a fresh one); the engine takes it over.
-      record_attention: decode steps add their attention mass, per layer and KV head, into the
-        state (`blocks.head_mass`, summed into `blocks.attn_mass`); the last step's is
-        `last_mass` f32[B, L, Hkv, M * P].
+      record_attention: True: every query of the prefill and of the decode adds its attention
+        mass, per layer and KV head, into the state (`blocks.head_mass`, summed into
+        `blocks.attn_mass`: what H2O accumulates); "decode": decode steps only (a caller that
+        observes a window of its own choosing, as SnapKV does); False: none. The last decode
+        step's mass is `last_mass` f32[B, L, Hkv, M * P] (prefill chunks leave it as it is).
     """
 
     def __init__(self, config: ModelConfig, params, state_config, *, chunk_size: int = 256,
-                 backend: str = "auto", state=None, record_attention: bool = False):
+                 backend: str = "auto", state=None, record_attention: bool | str = False):
         from kvquota.allocator import Allocator
 
         if state_config.model != config:
@@ -287,6 +289,9 @@ class PagedEngine(_Engine):
             raise ValueError("the paged engine needs a state with pages (with_pages=True)")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if not (isinstance(record_attention, bool) or record_attention == "decode"):
+            raise InvalidArgumentError("record_attention must be True, False or 'decode', got "
+                                       f"{record_attention!r}")
         self.config = config
         # Once: numpy leaves would be copied every call. Arrays already placed stay as they are
         # (sharded weights may span other processes' devices, which device_put refuses).
@@ -297,6 +302,7 @@ class PagedEngine(_Engine):
         self.chunk_size = chunk_size
         self.model = Decoder(config, backend=backend)
         self._record, self.last_mass = (state_config if record_attention else None), None
+        self._record_prefill = record_attention is True
 
     @property
     def state_config(self):
@@ -389,7 +395,8 @@ class PagedEngine(_Engine):
                 self.model, self.params, self.state, jnp.asarray(seq_ids),
                 jnp.asarray(chunk_tokens), jnp.asarray(done, jnp.int32),
                 jnp.asarray(num_new), jnp.asarray(positions), last_only=last_only,
-                pool_starts=self.pool_starts)
+                pool_starts=self.pool_starts,
+                record=self._record if self._record_prefill else None)[:2]
             if last_only:
                 finishing = (num_new > 0) & (done + num_new == lens)
                 last[finishing] = np.asarray(logits)[finishing]

@@ -15,6 +15,11 @@ parts merged vs one pool), the oracle's layer inputs through the dense attention
 max |diff| 1.5e-7 (single pool, tiny-qwen-untied) and 5e-8 (mixed); 1.5e-6 is 10x that. Measured
 on purpose-broken variants: pools unweighted ~0.1, compacted columns not mapped back ~0.14,
 each pool weighted by its group-mean share instead of per query head ~5e-3.
+
+Prefill (`record_attention=True` records every prompt query too): a token's mass is a sum over
+up to 40 queries (values up to ~4.9), so its rounding adds up: measured max |diff| 3.4e-7
+against the dense oracle (tiny-qwen) and 1.2e-7 mixed pools against the single-pool oracle;
+3.5e-6 is 10x the larger.
 """
 
 import flax.linen as nn
@@ -25,6 +30,7 @@ import pytest
 
 from configs.models import get_model_config
 from kvquota import model as M
+from kvquota.errors import InvalidArgumentError
 from kvquota.model import caches as C
 from kvquota.model import decoder as D
 from kvquota.sentinel import INVALID
@@ -33,6 +39,7 @@ from kvquota.state import StateConfig
 from tests.model import test_mixed_pools as MP
 
 ATOL = 1.5e-6  # per-token mass vs the dense recomputation (see the module docstring)
+PREFILL_ATOL = 3.5e-6  # per-token prefill mass (a sum over <= 40 queries; see the docstring)
 P = 8
 LENGTHS = (13, 29, 8, 40)  # mid-block, a block boundary (8, 40: the step opens a new block)
 
@@ -141,9 +148,10 @@ def test_padding_rows_get_no_mass(model):
 def test_record_attention_accumulates_per_step_mass(model):
     """N decode steps (two crossing a block boundary, one with a padding row): head_mass read
     through the tables == the sum of the steps' masses per layer and KV head, attn_mass == its
-    sum over them; untouched blocks stay zero; the invariants hold."""
+    sum over them; untouched blocks stay zero; the invariants hold (record_attention="decode":
+    the prefill records nothing)."""
     config, params = model
-    eng = _engine(config, params, record=True)
+    eng = _engine(config, params, record="decode")
     ids, tokens = _admitted(eng)
     want = np.zeros((len(ids), config.num_layers, config.num_kv_heads, 8 * P), np.float32)
     want_sum = np.zeros((len(ids), 8 * P), np.float32)  # summed per step, as attn_mass adds
@@ -196,12 +204,12 @@ def test_option_off_changes_nothing(model):
         np.testing.assert_array_equal(a, b)
 
 
-def test_with_mass_needs_a_paged_decode_step(model):
+def test_with_mass_needs_a_paged_cache(model):
     config, params = model
     dec = D.Decoder(config)
     tokens = jnp.zeros((1, 2), jnp.int32)
     meta = C.ChunkMeta(start=jnp.zeros(1, jnp.int32), num_new=jnp.full(1, 2, jnp.int32))
-    with pytest.raises(ValueError, match="with_mass needs a decode step"):
+    with pytest.raises(ValueError, match="with_mass needs a PagedKV cache"):
         dec.apply({"params": params}, tokens, tokens, C.init_dense_cache(config, 1, 4), meta,
                   with_mass=True)
 
@@ -280,3 +288,163 @@ def test_mixed_pool_mass_through_pallas_kernel(mixed_model):
     oracle.decode(ids, tokens)
     np.testing.assert_allclose(np.asarray(mixed.last_mass), np.asarray(oracle.last_mass),
                                rtol=0, atol=ATOL)
+
+
+# ---- prefill ---------------------------------------------------------------------------------
+
+
+def _dense_prefill_mass(eng, ids, prompts):
+    """The oracle of a prefill from an empty cache: mass f64[B, L, Hkv, M*P] summed over every
+    prompt query (query t sees keys 0..t), each the group mean of the dense softmax of the
+    model's own q (layers run densely over the whole prompt) against the K the prefill wrote."""
+    cfg, params, sc = eng.config, eng.params, eng.state_config
+    lengths = np.array([len(p) for p in prompts])
+    n, t = len(ids), int(lengths.max())
+    width = sc.max_blocks_per_seq * P
+    col = np.arange(width)
+    tables = np.asarray(eng.state.seqs.block_tables)[ids][:, col // P]  # [B, C]
+    stored = col[None] < lengths[:, None]
+    blocks = np.where(stored, tables, 0)
+    kv = [np.asarray(getattr(eng.state.pages[0], name))[:, :, blocks, col % P] for name in "kv"]
+    kv = [jnp.asarray(np.where(stored[None, None, :, :, None], a, 0.0).transpose(0, 2, 1, 3, 4))
+          for a in kv]  # [L, B, Hkv, C, D]
+    cache = C.DenseKV(k=kv[0], v=kv[1])
+    tokens = np.zeros((n, t), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    positions = jnp.asarray(np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)))
+    meta = C.ChunkMeta(start=jnp.zeros(n, jnp.int32), num_new=jnp.asarray(lengths, jnp.int32))
+    cos, sin = D.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    h = params["embed"]["embedding"][jnp.asarray(tokens)]
+    g = cfg.num_q_heads // cfg.num_kv_heads
+    q_pos = np.arange(t)
+    visible = ((col[None, None, :] <= q_pos[None, :, None])
+               & (q_pos[None, :, None] < lengths[:, None, None]))  # [B, T, C]: causal, real
+    mass = np.zeros((n, cfg.num_layers, cfg.num_kv_heads, width), np.float64)
+    for layer in range(cfg.num_layers):
+        lp = jax.tree.map(lambda a, l=layer: a[l], params["layers"])
+        x = nn.RMSNorm(epsilon=cfg.rms_eps).apply({"params": lp["attn_norm"]}, h)
+        q = nn.Dense(cfg.num_q_heads * cfg.head_dim, use_bias=cfg.qkv_bias).apply(
+            {"params": lp["attn"]["q_proj"]}, x).reshape(n, t, cfg.num_q_heads, -1)
+        q = np.asarray(D.apply_rope(q, cos, sin), np.float64).reshape(
+            n, t, cfg.num_kv_heads, g, -1)
+        k = np.asarray(cache.k[layer], np.float64)  # [B, Hkv, C, D]
+        s = np.einsum("btkgd,bkcd->bkgtc", q, k) / np.sqrt(cfg.head_dim)
+        s = np.where(visible[:, None, None], s, -np.inf)
+        top = s.max(-1, keepdims=True)
+        p = np.exp(s - np.where(np.isfinite(top), top, 0.0))
+        p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)  # padding queries: all zero
+        mass[:, layer] = p.mean(2).sum(2)
+        (h, cache), _ = D.DecoderLayer(cfg).apply({"params": lp}, (h, cache), layer, cos, sin,
+                                                  meta)
+    return mass
+
+
+def _recorded(eng, ids):
+    """head_mass f32[B, L, Hkv, M*P] and attn_mass f32[B, M*P] of each sequence, read through
+    its table (zero past its length)."""
+    sc = eng.state_config
+    width = sc.max_blocks_per_seq * P
+    col = np.arange(width)
+    lengths = np.asarray(eng.state.seqs.seq_lens)[ids]
+    tables = np.asarray(eng.state.seqs.block_tables)[ids][:, col // P]
+    live = col[None] < lengths[:, None]
+    at = (np.where(live, tables, 0), np.broadcast_to(col % P, live.shape))
+    heads = np.where(live[..., None, None], np.asarray(eng.state.blocks.head_mass)[at], 0.0)
+    total = np.where(live, np.asarray(eng.state.blocks.attn_mass)[at], 0.0)
+    return heads.transpose(0, 2, 3, 1), total
+
+
+def test_prefill_mass_matches_dense_causal_softmax(model):
+    """A chunked prefill (chunks of 16 over prompts of 8-40 tokens: chunks starting mid-block,
+    a block boundary) with record_attention=True: head_mass == the dense oracle's mass summed
+    over every prompt query, per layer and KV head (causal: a query gives nothing to later
+    tokens); attn_mass == its sum over layers and heads; each (layer, head) receives exactly one
+    unit per query; the invariants hold."""
+    config, params = model
+    eng = _engine(config, params, record=True)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, config.vocab_size, n)] for n in LENGTHS]
+    report, _ = eng.admit([0] * len(prompts), prompts)
+    ids = report.seq_id.astype(np.int32)
+    eng.allocator.check(eng.state)
+    assert eng.last_mass is None  # prefill chunks are no decode step
+    heads, total = _recorded(eng, ids)
+    want = _dense_prefill_mass(eng, ids, prompts)
+    np.testing.assert_allclose(heads, want, rtol=0, atol=PREFILL_ATOL)
+    np.testing.assert_allclose(total, heads.sum((1, 2)), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(heads.sum(-1), np.broadcast_to(
+        np.asarray(LENGTHS, np.float64)[:, None, None], heads.shape[:3]), rtol=1e-5)
+    for b, n in enumerate(LENGTHS):  # causal: token i is seen by the n - i queries from i on
+        seen_by = (n - np.arange(n)).astype(np.float64)
+        assert (heads[b, ..., :n] <= seen_by + 1e-5).all() and (heads[b, ..., :n] > 0).all()
+
+
+def test_prefill_then_decode_accumulates_every_query(model):
+    """Prefill and two decode steps recorded: the state holds the prefill's mass plus each
+    step's (`last_mass`); with record_attention="decode" only the steps' (the prefill records
+    nothing); the logits are the same bitwise either way."""
+    config, params = model
+    runs = {}
+    for mode in (True, "decode"):
+        eng = _engine(config, params, record=mode)
+        ids, tokens = _admitted(eng)
+        prefill_heads, _ = _recorded(eng, ids)
+        steps, logits = np.zeros_like(prefill_heads), []
+        for _ in range(2):
+            _, out = eng.decode(ids, tokens)
+            steps += np.asarray(eng.last_mass)
+            logits.append(np.asarray(out))
+            tokens = logits[-1].argmax(-1).astype(np.int32)
+        eng.allocator.check(eng.state)
+        heads, _ = _recorded(eng, ids)
+        np.testing.assert_allclose(heads, prefill_heads + steps, rtol=1e-6, atol=1e-6)
+        runs[mode] = prefill_heads, logits
+    assert runs[True][0].sum() > 0 and not runs["decode"][0].any()
+    for a, b in zip(runs[True][1], runs["decode"][1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_record_attention_is_a_typed_error(model):
+    config, params = model
+    with pytest.raises(InvalidArgumentError, match="record_attention"):
+        _engine(config, params, record="prefill")
+
+
+def test_prefill_mass_through_pallas_kernel(mixed_model):
+    """The Pallas prefill kernel (interpreted on CPU) records the reference path's mass."""
+    config, params = mixed_model
+    masses = []
+    for backend in ("reference", "pallas"):
+        eng = _engine(config, params, record=True, backend=backend)
+        ids, _ = _admitted(eng, lengths=(13, 8))
+        masses.append(_recorded(eng, ids)[0])
+    assert masses[0].sum() > 0
+    np.testing.assert_allclose(masses[1], masses[0], rtol=0, atol=PREFILL_ATOL)
+
+
+def _record_chunk(eng, ids, start):
+    """test_mixed_pools' prefill chunk from `start`, its mass recorded: mass f32[B, L, Hkv, C]."""
+    toks, lens = eng._pad_prompts(MP._prompts(eng.config))
+    num_new = np.clip(lens - start, 0, MP.CHUNK).astype(np.int32)
+    idx = start + np.arange(MP.CHUNK)[None, :].repeat(len(ids), 0)
+    tokens = np.take_along_axis(toks, np.minimum(idx, toks.shape[1] - 1), axis=1)
+    eng.state, _, mass = E._paged_forward(
+        eng.model, eng.params, eng.state, jnp.asarray(ids), jnp.asarray(tokens, jnp.int32),
+        jnp.full(len(ids), start, jnp.int32), jnp.asarray(num_new), jnp.asarray(idx, jnp.int32),
+        last_only=False, pool_starts=eng.pool_starts, record=eng.state_config)
+    return np.asarray(mass), num_new
+
+
+@pytest.mark.parametrize("layout", ["int8", "all"])
+def test_mixed_pool_prefill_mass_matches_single_pool(mixed_model, layout):
+    """A prefill chunk over a table mixing pool-0 and compressed blocks: its mass by table
+    column (each query weighted per pool by its share of the merged softmax, causal in pool 0)
+    == the dequantized single-pool oracle's; one unit per real query per (layer, head)."""
+    mixed, oracle, ids = MP._scenario(mixed_model, layout)
+    oracle.__class__ = _PoolZeroOnly
+    got, num_new = _record_chunk(mixed, ids, 3 * MP.CHUNK)
+    want, _ = _record_chunk(oracle, ids, 3 * MP.CHUNK)
+    np.testing.assert_allclose(got, want, rtol=0, atol=PREFILL_ATOL)
+    np.testing.assert_allclose(got.sum(-1), np.broadcast_to(
+        num_new[:, None, None].astype(np.float64), got.shape[:3]), rtol=1e-5)
