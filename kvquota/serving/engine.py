@@ -289,9 +289,6 @@ class PagedEngine(_Engine):
             raise ValueError("the paged engine needs a state with pages (with_pages=True)")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        if not (isinstance(record_attention, bool) or record_attention == "decode"):
-            raise InvalidArgumentError("record_attention must be True, False or 'decode', got "
-                                       f"{record_attention!r}")
         self.config = config
         # Once: numpy leaves would be copied every call. Arrays already placed stay as they are
         # (sharded weights may span other processes' devices, which device_put refuses).
@@ -301,8 +298,8 @@ class PagedEngine(_Engine):
         self.state = self.allocator.init() if state is None else state
         self.chunk_size = chunk_size
         self.model = Decoder(config, backend=backend)
-        self._record, self.last_mass = (state_config if record_attention else None), None
-        self._record_prefill = record_attention is True
+        self.last_mass = None
+        self.record_attention = record_attention
 
     @property
     def state_config(self):
@@ -324,6 +321,26 @@ class PagedEngine(_Engine):
     def max_byte_quota(self) -> int:
         """The largest byte quota the state represents (int32 count of its byte units)."""
         return (2**31 - 1) * self.state_config.unit_bytes
+
+    @property
+    def record_attention(self) -> bool | str:
+        """What records attention mass into the state: True (prefill and decode), "decode" or
+        False. Settable between calls (e.g. a prompt's body unrecorded, then its observation
+        window recorded: what SnapKV scores)."""
+        return self._record_mode
+
+    @record_attention.setter
+    def record_attention(self, mode: bool | str):
+        if not (isinstance(mode, bool) or mode == "decode"):
+            raise InvalidArgumentError(f"record_attention must be True, False or 'decode', got "
+                                       f"{mode!r}")
+        self._record_mode = mode
+        self._record = self.state_config if mode else None  # what decode steps pass
+
+    @property
+    def _record_prefill(self):
+        """What prefill chunks pass as `_paged_forward`'s record (None: nothing recorded)."""
+        return self._record if self._record_mode is True else None
 
     def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
                         share_group: int | None = None):
@@ -395,8 +412,7 @@ class PagedEngine(_Engine):
                 self.model, self.params, self.state, jnp.asarray(seq_ids),
                 jnp.asarray(chunk_tokens), jnp.asarray(done, jnp.int32),
                 jnp.asarray(num_new), jnp.asarray(positions), last_only=last_only,
-                pool_starts=self.pool_starts,
-                record=self._record if self._record_prefill else None)[:2]
+                pool_starts=self.pool_starts, record=self._record_prefill)[:2]
             if last_only:
                 finishing = (num_new > 0) & (done + num_new == lens)
                 last[finishing] = np.asarray(logits)[finishing]

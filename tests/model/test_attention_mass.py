@@ -42,6 +42,7 @@ ATOL = 1.5e-6  # per-token mass vs the dense recomputation (see the module docst
 PREFILL_ATOL = 3.5e-6  # per-token prefill mass (a sum over <= 40 queries; see the docstring)
 P = 8
 LENGTHS = (13, 29, 8, 40)  # mid-block, a block boundary (8, 40: the step opens a new block)
+BODY_AND_WINDOW = (13, 29, 20, 40)  # prompts split into a body and an 8-token window
 
 
 @pytest.fixture(autouse=True)
@@ -293,10 +294,11 @@ def test_mixed_pool_mass_through_pallas_kernel(mixed_model):
 # ---- prefill ---------------------------------------------------------------------------------
 
 
-def _dense_prefill_mass(eng, ids, prompts):
-    """The oracle of a prefill from an empty cache: mass f64[B, L, Hkv, M*P] summed over every
-    prompt query (query t sees keys 0..t), each the group mean of the dense softmax of the
-    model's own q (layers run densely over the whole prompt) against the K the prefill wrote."""
+def _dense_prefill_mass(eng, ids, prompts, from_query=0):
+    """The oracle of a prefill from an empty cache: mass f64[B, L, Hkv, M*P] summed over the
+    prompt queries t >= `from_query` (int or [B]; query t sees keys 0..t), each the group mean
+    of the dense softmax of the model's own q (layers run densely over the whole prompt)
+    against the K the prefill wrote."""
     cfg, params, sc = eng.config, eng.params, eng.state_config
     lengths = np.array([len(p) for p in prompts])
     n, t = len(ids), int(lengths.max())
@@ -318,8 +320,9 @@ def _dense_prefill_mass(eng, ids, prompts):
     h = params["embed"]["embedding"][jnp.asarray(tokens)]
     g = cfg.num_q_heads // cfg.num_kv_heads
     q_pos = np.arange(t)
-    visible = ((col[None, None, :] <= q_pos[None, :, None])
-               & (q_pos[None, :, None] < lengths[:, None, None]))  # [B, T, C]: causal, real
+    counted = (q_pos[None, :] < lengths[:, None]) & (
+        q_pos[None, :] >= np.broadcast_to(from_query, (n,))[:, None])  # [B, T]
+    visible = (col[None, None, :] <= q_pos[None, :, None]) & counted[..., None]  # [B, T, C]
     mass = np.zeros((n, cfg.num_layers, cfg.num_kv_heads, width), np.float64)
     for layer in range(cfg.num_layers):
         lp = jax.tree.map(lambda a, l=layer: a[l], params["layers"])
@@ -448,3 +451,62 @@ def test_mixed_pool_prefill_mass_matches_single_pool(mixed_model, layout):
     np.testing.assert_allclose(got, want, rtol=0, atol=PREFILL_ATOL)
     np.testing.assert_allclose(got.sum(-1), np.broadcast_to(
         num_new[:, None, None].astype(np.float64), got.shape[:3]), rtol=1e-5)
+
+
+def test_extend_records_like_prefill_and_the_mode_switches(model):
+    """`extend` on an engine recording attention records each chunk as its prefill does: a
+    prompt's body unrecorded (record_attention=False), then its last W tokens extended with
+    record_attention=True, holds exactly the mass of those W queries (the dense oracle's over
+    queries t >= n - W, causal); a bad mode is refused and the mode kept."""
+    from kvquota.serving.branching import extend
+
+    config, params = model
+    eng = _engine(config, params, record=False)
+    w = 8
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(0, config.vocab_size, n)] for n in BODY_AND_WINDOW]
+    report, _ = eng.admit([0] * len(prompts), [p[:-w] for p in prompts])
+    ids = report.seq_id.astype(np.int32)
+    assert not _recorded(eng, ids)[0].any()
+    eng.record_attention = True
+    window = np.asarray([p[-w:] for p in prompts], np.int32)
+    extend(eng, ids, window, chunk_size=w)
+    eng.allocator.check(eng.state)
+    heads, _ = _recorded(eng, ids)
+    want = _dense_prefill_mass(eng, ids, prompts, from_query=np.asarray(BODY_AND_WINDOW) - w)
+    np.testing.assert_allclose(heads, want, rtol=0, atol=PREFILL_ATOL)
+    np.testing.assert_allclose(heads.sum(-1), w, rtol=1e-5)
+    with pytest.raises(InvalidArgumentError, match="record_attention"):
+        eng.record_attention = "all"
+    assert eng.record_attention is True
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+def test_snapkv_published_rule_end_to_end(model, pool):
+    """SnapKV as the paper defines it, through the engine: the observation window (the prompt's
+    last W = 8 tokens) extended with recording on after an unrecorded body, then `keep_mask`
+    keeps in every (layer, KV head) the window and the top of the window queries' mass over the
+    prefix, pooled (kernel 7, `pool`) over the prefix alone: NumPy's choice on the recorded
+    mass (which the test above checks against the dense oracle)."""
+    from kvquota.serving.branching import extend
+    from tests.policies.test_scorers import _pool_reference
+
+    config, params = model
+    eng = _engine(config, params, record=False)
+    w, keep = 8, 20
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, config.vocab_size, n)] for n in BODY_AND_WINDOW]
+    report, _ = eng.admit([0] * len(prompts), [p[:-w] for p in prompts])
+    ids = report.seq_id.astype(np.int32)
+    eng.record_attention = True
+    extend(eng, ids, np.asarray([p[-w:] for p in prompts], np.int32), chunk_size=w)
+    heads, _ = _recorded(eng, ids)
+    mask = eng.allocator.keep_mask(eng.state, ids, policy="snapkv", keep_tokens=keep, recent=w,
+                                   pool=pool)
+    for b, n in enumerate(BODY_AND_WINDOW):
+        k = min(keep, n)
+        for layer, head in np.ndindex(config.num_layers, config.num_kv_heads):
+            pooled = _pool_reference(heads[b, layer, head, :n - w].astype(np.float32), 7, pool)
+            older = sorted(range(n - w), key=lambda i: (-pooled[i], -i))
+            want = sorted(older[:k - w] + list(range(n - w, n)))
+            assert np.flatnonzero(mask[b, layer, head]).tolist() == want
