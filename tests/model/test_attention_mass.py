@@ -78,40 +78,58 @@ def _admitted(eng, lengths=LENGTHS, seed=0):
     return report.seq_id.astype(np.int32), np.asarray(last).argmax(-1).astype(np.int32)
 
 
-def _dense_mass(eng, ids, tokens):
-    """The oracle: mass f64[B, L, Hkv, M*P] of the decode step of `tokens` just taken by `eng`
-    (its state holds the step's K/V; ids all real)."""
+def _dense_chunk_mass(eng, ids, tokens, start, positions, from_query=0):
+    """The oracle: mass f64[B, L, Hkv, M*P] of a chunk of queries `tokens` i32[B, T] that `eng`
+    just ran at cache indices start + t (i32[B]; logical `positions` i32[B, T]; its state holds
+    their K/V, real up to each sequence's length), summed over the real queries at cache index
+    >= `from_query` (int or [B]): each the group mean of the dense softmax of the model's own q
+    (the layers run densely over the chunk) against the stored K up to the query's own index."""
     cfg, params, sc = eng.config, eng.params, eng.state_config
+    n, t = tokens.shape
     lengths = np.asarray(eng.state.seqs.seq_lens)[ids]
     width = sc.max_blocks_per_seq * P
     col = np.arange(width)
     tables = np.asarray(eng.state.seqs.block_tables)[ids][:, col // P]  # [B, C]
-    visible = col[None] < lengths[:, None]
-    blocks = np.where(visible, tables, 0)
-    kv = [np.asarray(getattr(eng.state.pages[0], n))[:, :, blocks, col % P] for n in "kv"]
-    kv = [jnp.asarray(np.where(visible[None, None, :, :, None], a, 0.0).transpose(0, 2, 1, 3, 4))
+    stored = col[None] < lengths[:, None]
+    blocks = np.where(stored, tables, 0)
+    kv = [np.asarray(getattr(eng.state.pages[0], name))[:, :, blocks, col % P] for name in "kv"]
+    kv = [jnp.asarray(np.where(stored[None, None, :, :, None], a, 0.0).transpose(0, 2, 1, 3, 4))
           for a in kv]  # [L, B, Hkv, C, D], zero past the length (unwritten pages may be NaN)
     cache = C.DenseKV(k=kv[0], v=kv[1])
-    positions = jnp.asarray(np.asarray(eng.state.seqs.positions)[ids] - 1)[:, None]
-    meta = C.ChunkMeta(start=jnp.asarray(lengths - 1), num_new=jnp.ones(len(ids), jnp.int32))
-    cos, sin = D.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    h = params["embed"]["embedding"][jnp.asarray(tokens)][:, None]
+    meta = C.ChunkMeta(start=jnp.asarray(start, jnp.int32),
+                       num_new=jnp.asarray(lengths - start, jnp.int32))
+    cos, sin = D.rope_tables(jnp.asarray(positions, jnp.int32), cfg.head_dim, cfg.rope_theta)
+    h = params["embed"]["embedding"][jnp.asarray(tokens)]
     g = cfg.num_q_heads // cfg.num_kv_heads
-    mass = np.zeros((len(ids), cfg.num_layers, cfg.num_kv_heads, width), np.float64)
+    q_idx = start[:, None] + np.arange(t)[None, :]  # [B, T]
+    counted = (q_idx < lengths[:, None]) & (q_idx >= np.broadcast_to(from_query, (n,))[:, None])
+    visible = (col[None, None, :] <= q_idx[:, :, None]) & counted[..., None]  # [B, T, C]
+    mass = np.zeros((n, cfg.num_layers, cfg.num_kv_heads, width), np.float64)
     for layer in range(cfg.num_layers):
         lp = jax.tree.map(lambda a, l=layer: a[l], params["layers"])
         x = nn.RMSNorm(epsilon=cfg.rms_eps).apply({"params": lp["attn_norm"]}, h)
         q = nn.Dense(cfg.num_q_heads * cfg.head_dim, use_bias=cfg.qkv_bias).apply(
-            {"params": lp["attn"]["q_proj"]}, x).reshape(len(ids), 1, cfg.num_q_heads, -1)
-        q = np.asarray(D.apply_rope(q, cos, sin))[:, 0].reshape(len(ids), cfg.num_kv_heads, g, -1)
+            {"params": lp["attn"]["q_proj"]}, x).reshape(n, t, cfg.num_q_heads, -1)
+        q = np.asarray(D.apply_rope(q, cos, sin), np.float64).reshape(
+            n, t, cfg.num_kv_heads, g, -1)
         k = np.asarray(cache.k[layer], np.float64)  # [B, Hkv, C, D]
-        s = np.einsum("bkgd,bkcd->bkgc", q, k) / np.sqrt(cfg.head_dim)
+        s = np.einsum("btkgd,bkcd->bkgtc", q, k) / np.sqrt(cfg.head_dim)
         s = np.where(visible[:, None, None], s, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        mass[:, layer] = (p / p.sum(-1, keepdims=True)).mean(2)
+        top = s.max(-1, keepdims=True)
+        p = np.exp(s - np.where(np.isfinite(top), top, 0.0))
+        p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)  # uncounted queries: all zero
+        mass[:, layer] = p.mean(2).sum(2)
         (h, cache), _ = D.DecoderLayer(cfg).apply({"params": lp}, (h, cache), layer, cos, sin,
                                                   meta)
     return mass
+
+
+def _dense_mass(eng, ids, tokens):
+    """The oracle of the decode step of `tokens` i32[B] just taken by `eng` (ids all real)."""
+    lengths = np.asarray(eng.state.seqs.seq_lens)[ids]
+    positions = np.asarray(eng.state.seqs.positions)[ids] - 1
+    return _dense_chunk_mass(eng, ids, np.asarray(tokens)[:, None], lengths - 1,
+                             positions[:, None])
 
 
 def test_decode_mass_matches_dense_softmax(model):
@@ -295,52 +313,15 @@ def test_mixed_pool_mass_through_pallas_kernel(mixed_model):
 
 
 def _dense_prefill_mass(eng, ids, prompts, from_query=0):
-    """The oracle of a prefill from an empty cache: mass f64[B, L, Hkv, M*P] summed over the
-    prompt queries t >= `from_query` (int or [B]; query t sees keys 0..t), each the group mean
-    of the dense softmax of the model's own q (layers run densely over the whole prompt)
-    against the K the prefill wrote."""
-    cfg, params, sc = eng.config, eng.params, eng.state_config
-    lengths = np.array([len(p) for p in prompts])
-    n, t = len(ids), int(lengths.max())
-    width = sc.max_blocks_per_seq * P
-    col = np.arange(width)
-    tables = np.asarray(eng.state.seqs.block_tables)[ids][:, col // P]  # [B, C]
-    stored = col[None] < lengths[:, None]
-    blocks = np.where(stored, tables, 0)
-    kv = [np.asarray(getattr(eng.state.pages[0], name))[:, :, blocks, col % P] for name in "kv"]
-    kv = [jnp.asarray(np.where(stored[None, None, :, :, None], a, 0.0).transpose(0, 2, 1, 3, 4))
-          for a in kv]  # [L, B, Hkv, C, D]
-    cache = C.DenseKV(k=kv[0], v=kv[1])
-    tokens = np.zeros((n, t), np.int32)
+    """The oracle of a prefill of `prompts` from an empty cache (positions = cache indices),
+    summed over the queries from `from_query` on (`_dense_chunk_mass`)."""
+    t = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), t), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = p
-    positions = jnp.asarray(np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)))
-    meta = C.ChunkMeta(start=jnp.zeros(n, jnp.int32), num_new=jnp.asarray(lengths, jnp.int32))
-    cos, sin = D.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    h = params["embed"]["embedding"][jnp.asarray(tokens)]
-    g = cfg.num_q_heads // cfg.num_kv_heads
-    q_pos = np.arange(t)
-    counted = (q_pos[None, :] < lengths[:, None]) & (
-        q_pos[None, :] >= np.broadcast_to(from_query, (n,))[:, None])  # [B, T]
-    visible = (col[None, None, :] <= q_pos[None, :, None]) & counted[..., None]  # [B, T, C]
-    mass = np.zeros((n, cfg.num_layers, cfg.num_kv_heads, width), np.float64)
-    for layer in range(cfg.num_layers):
-        lp = jax.tree.map(lambda a, l=layer: a[l], params["layers"])
-        x = nn.RMSNorm(epsilon=cfg.rms_eps).apply({"params": lp["attn_norm"]}, h)
-        q = nn.Dense(cfg.num_q_heads * cfg.head_dim, use_bias=cfg.qkv_bias).apply(
-            {"params": lp["attn"]["q_proj"]}, x).reshape(n, t, cfg.num_q_heads, -1)
-        q = np.asarray(D.apply_rope(q, cos, sin), np.float64).reshape(
-            n, t, cfg.num_kv_heads, g, -1)
-        k = np.asarray(cache.k[layer], np.float64)  # [B, Hkv, C, D]
-        s = np.einsum("btkgd,bkcd->bkgtc", q, k) / np.sqrt(cfg.head_dim)
-        s = np.where(visible[:, None, None], s, -np.inf)
-        top = s.max(-1, keepdims=True)
-        p = np.exp(s - np.where(np.isfinite(top), top, 0.0))
-        p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)  # padding queries: all zero
-        mass[:, layer] = p.mean(2).sum(2)
-        (h, cache), _ = D.DecoderLayer(cfg).apply({"params": lp}, (h, cache), layer, cos, sin,
-                                                  meta)
-    return mass
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
+    return _dense_chunk_mass(eng, ids, tokens, np.zeros(len(prompts), np.int64), positions,
+                             from_query)
 
 
 def _recorded(eng, ids):
