@@ -288,15 +288,19 @@ def test_mixed_pool_mass_matches_single_pool_and_dense(mixed_model, layout):
 
 
 def test_mass_through_pallas_kernel(mixed_model):
-    """The Pallas kernels (interpreted on CPU) give the reference path's mass: single pool."""
+    """The Pallas kernels (interpreted on CPU) give the reference path's mass, single pool: the
+    prefill's recorded into the state, then a decode step's."""
     config, params = mixed_model
-    masses = []
+    prefill, decode = [], []
     for backend in ("reference", "pallas"):
         eng = _engine(config, params, record=True, backend=backend)
         ids, tokens = _admitted(eng, lengths=(13, 8))
+        prefill.append(_recorded(eng, ids)[0])
         eng.decode(ids, tokens)
-        masses.append(np.asarray(eng.last_mass))
-    np.testing.assert_allclose(masses[1], masses[0], rtol=0, atol=ATOL)
+        decode.append(np.asarray(eng.last_mass))
+    assert prefill[0].sum() > 0
+    np.testing.assert_allclose(prefill[1], prefill[0], rtol=0, atol=PREFILL_ATOL)
+    np.testing.assert_allclose(decode[1], decode[0], rtol=0, atol=ATOL)
 
 
 def test_mixed_pool_mass_through_pallas_kernel(mixed_model):
@@ -393,18 +397,6 @@ def test_bad_record_attention_is_a_typed_error(model):
     config, params = model
     with pytest.raises(InvalidArgumentError, match="record_attention"):
         _engine(config, params, record="prefill")
-
-
-def test_prefill_mass_through_pallas_kernel(mixed_model):
-    """The Pallas prefill kernel (interpreted on CPU) records the reference path's mass."""
-    config, params = mixed_model
-    masses = []
-    for backend in ("reference", "pallas"):
-        eng = _engine(config, params, record=True, backend=backend)
-        ids, _ = _admitted(eng, lengths=(13, 8))
-        masses.append(_recorded(eng, ids)[0])
-    assert masses[0].sum() > 0
-    np.testing.assert_allclose(masses[1], masses[0], rtol=0, atol=PREFILL_ATOL)
 
 
 def _record_chunk(eng, ids, start):
