@@ -6,7 +6,9 @@ prints one JSON object (other tools read it): `token_ids` (the text's tokens tru
 first N, as fed to the model), `nll` (natural-log negative log-likelihood of each token after the
 first: len(token_ids) - 1 values) and `ppl` (exp of their mean), plus the run's settings. With
 a compressed --kv_format (or --evict_policy) the text is scored one block at a time, the cache
-compressed (or evicted) before each block attends, and the record adds `cache_bytes_by_pool`.
+compressed (or evicted) before each block attends, and the record adds `cache_bytes_by_pool`;
+TOVA, which scores the last query's attention, runs as its paper does instead: the budget
+prefilled, then one decode step per token, one token evicted per layer and KV head each step.
 
 Everything is checked before the weights load: the flags, the text (at least 2 tokens, at most
 the preset's context).
@@ -68,6 +70,9 @@ def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size
                                      block_size)
     tok = kq.load_tokenizer(model, weights_path)
     ids = token_ids(tok, text, max_tokens, kq.get_model_config(model), source)
+    if evict_policy == "tova" and budget_tokens >= len(ids):
+        raise cli.BadInput(f"--budget_tokens={budget_tokens}: TOVA evicts step by step past the "
+                           f"budget, which must be shorter than the {len(ids)} tokens scored")
     cli.stage(f"loading {model}")
     config, params = kq.load_pretrained(model, weights_path)
     cli.stage(f"scoring {len(ids)} tokens")
@@ -76,6 +81,11 @@ def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size
         result = kq.score(config, params, ids, chunk_size=chunk_size, block_size=block_size,
                           kv_format=pool0)
         held = None
+    elif evict_policy == "tova":  # the paper's rule: one decode step per token past the budget
+        (result,), driver = kq.score_stepwise(config, params, [ids], budget_tokens=budget_tokens,
+                                              recent=policy.keep_recent, block_size=block_size,
+                                              kv_format=pool0, track_positions=False)
+        held = kq.cache_bytes_by_pool(driver.engine)
     else:  # one block at a time, the policy applied before each block attends
         result, held = kq.score_streaming(config, params, ids, policy, block_size=block_size,
                                           kv_format=pool0)

@@ -112,7 +112,12 @@ def score_streaming(config: ModelConfig, params, token_ids: Sequence[int], polic
     if len(ids) < 2:
         raise ValueError(f"scoring needs at least 2 tokens, got {len(ids)}")
     check_context(config, len(ids), "scoring")
-    reads_mass = policy.evict_policy is not None and get_policy(policy.evict_policy).reads_mass
+    evicting = None if policy.evict_policy is None else get_policy(policy.evict_policy)
+    if evicting is not None and "last_attention" in evicting.needs:
+        raise InvalidArgumentError(
+            f"{policy.evict_policy!r} scores the last decode step's attention, which block-by-"
+            "block scoring never has: use kq.score_stepwise (one decode step per token)")
+    reads_mass = evicting is not None and evicting.reads_mass
     engine = PagedEngine(config, params, policy.state_config(config, len(ids), block_size,
                                                              kv_format),
                          chunk_size=block_size, backend=backend, record_attention=reads_mass)

@@ -67,6 +67,14 @@ def test_streaming_h2o_scores_the_recorded_mass():
     assert not np.allclose(scores["h2o"], scores["oldest"])
 
 
+def test_block_by_block_scoring_refuses_tova():
+    """TOVA scores the last decode step's attention; block-by-block scoring has no decode step,
+    so it used to never evict, silently. It is refused, pointing to the stepwise driver."""
+    policy = kq.CachePolicy(evict_policy="tova", budget_tokens=24)
+    with pytest.raises(E.InvalidArgumentError, match="score_stepwise"):
+        kq.score_streaming(CONFIG, PARAMS, IDS, policy, block_size=P)
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(kv_format="bf16"), dict(keep_recent=-1), dict(evict_policy="h2o"),
     dict(budget_tokens=3), dict(kv_format="int8", evict_policy="h2o", budget_tokens=3),
