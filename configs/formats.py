@@ -10,8 +10,19 @@ KV Cache"):
   * int8: symmetric, one bf16 scale per (token, KV head).
   * int4: symmetric, two values per byte, one bf16 scale per (token, KV head, group of 64
     channels, or head_dim if smaller).
-  * kivi2 / kivi4: asymmetric (bf16 scale and bf16 zero point per group); keys per channel over
-    the tokens of one block, values per token over groups of 32 channels.
+  * kivi2 / kivi4: the paper's setting: asymmetric (bf16 scale and bf16 zero point per group);
+    keys per channel over groups of G = 32 tokens, values per token over groups of 32 channels;
+    the newest R = 128 tokens stay in full precision (`residual`).
+  * kivi2-g16 / kivi4-g16: the same with G = 16 and R = 32 (this project's earlier setting: at
+    block size 16, one key group per block).
+
+A key group spans G / block_size whole blocks of one sequence, quantized with ONE per-channel
+scale and zero point computed over the group's G tokens; every block stores its own copy of them,
+so blocks stay independently movable (offload, block eviction) and the kernels read a block
+alone. The ledger charges what is stored: per block and KV head, D scales and D zero points of
+2 B for the keys whatever G is, i.e. (G / block_size - 1) x 4 D bytes per group more than one
+stored copy would take (kivi2, D = 64, block 16, G = 32: 256 B of 1,792 per group of 32 tokens
+and head, 14 %; none at block size 32).
 """
 
 from __future__ import annotations
@@ -35,12 +46,15 @@ class QuantSpec:
       group: channels per scale group when `scale_axis == "token"` (capped at head_dim; a
         larger head_dim must be a multiple of it, see `check_head_dim`).
       asymmetric: whether a zero point is stored beside each scale.
+      tokens: when `scale_axis == "channel"`: tokens that share one per-channel scale (KIVI's
+        G), a whole number of blocks; 0: the tokens of one block.
     """
 
     bits: int
     scale_axis: Literal["token", "channel"]
     group: int = 0
     asymmetric: bool = False
+    tokens: int = 0
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raises FormatSpecError unless `head_dim` fits this spec: a positive whole number of
@@ -57,6 +71,18 @@ class QuantSpec:
             raise FormatSpecError(
                 f"head_dim {head_dim} is not a multiple of the {self.bits}-bit scale group "
                 f"{self.group} (a partial last group has no defined scale)")
+
+    def pages_per_group(self, block_size: int) -> int:
+        """Consecutive blocks of one sequence quantized with one per-channel scale: tokens /
+        block_size (1 for per-token specs and a one-block group). Raises FormatSpecError unless
+        the group is a whole number of blocks."""
+        if self.scale_axis != "channel" or not self.tokens:
+            return 1
+        if not isinstance(block_size, int) or block_size <= 0 or self.tokens % block_size:
+            raise FormatSpecError(
+                f"a key group of {self.tokens} tokens is not a whole number of blocks of "
+                f"{block_size} tokens (use a block size that divides {self.tokens})")
+        return self.tokens // block_size
 
     def group_size(self, head_dim: int) -> int:
         """Channels that share one scale within a token (head_dim for a per-token scale)."""
@@ -111,12 +137,15 @@ class KVFormat:
         or the container dtype ("int8", "uint8") of quantized data.
       key: QuantSpec for keys, None for a plain floating-point format.
       value: QuantSpec for values, None for a plain floating-point format.
+      residual: the newest tokens its paper keeps in full precision (KIVI's R), the default
+        window of `Allocator.compress`; None: no prescribed window (the caller's, 32 by default).
     """
 
     name: str
     dtype: str
     key: QuantSpec | None = None
     value: QuantSpec | None = None
+    residual: int | None = None
 
     @property
     def quantized(self) -> bool:
@@ -170,16 +199,12 @@ _FORMATS = (
         key=QuantSpec(bits=4, scale_axis="token", group=64),
         value=QuantSpec(bits=4, scale_axis="token", group=64),
     ),
-    KVFormat(
-        "kivi2", "uint8",
-        key=QuantSpec(bits=2, scale_axis="channel", asymmetric=True),
-        value=QuantSpec(bits=2, scale_axis="token", group=32, asymmetric=True),
-    ),
-    KVFormat(
-        "kivi4", "uint8",
-        key=QuantSpec(bits=4, scale_axis="channel", asymmetric=True),
-        value=QuantSpec(bits=4, scale_axis="token", group=32, asymmetric=True),
-    ),
+    *(KVFormat(
+        f"kivi{bits}{suffix}", "uint8",
+        key=QuantSpec(bits=bits, scale_axis="channel", asymmetric=True, tokens=g),
+        value=QuantSpec(bits=bits, scale_axis="token", group=32, asymmetric=True),
+        residual=r,
+    ) for suffix, g, r in (("", 32, 128), ("-g16", 16, 32)) for bits in (2, 4)),
 )
 
 KV_FORMATS: dict[str, KVFormat] = {fmt.name: fmt for fmt in _FORMATS}

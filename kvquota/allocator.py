@@ -214,14 +214,15 @@ class Allocator:
         Needs room in pool 0 and room under each tenant's byte quota for the restored blocks."""
         return self._op(tiers.restore, state, seq_ids, donate=donate)
 
-    def compress(self, state, seq_ids, *, kv_format: str, keep_recent: int = 32,
+    def compress(self, state, seq_ids, *, kv_format: str, keep_recent: Optional[int] = None,
                  policy: str = "oldest", max_blocks: Optional[int] = None,
                  donate=False) -> tuple[KVState, CompressReport]:
         """Requantize running sequences' own full blocks outside the `keep_recent` most recent
-        tokens from pool 0 into the compressed pool of `kv_format` (lossy, irreversible), at most
-        `max_blocks` per sequence (None: all eligible), in the policy's order ("oldest": lowest
-        block index; "coldest": least attention mass). Shared and pinned blocks are never
-        rewritten."""
+        tokens (None: the format's `residual`, KIVI's R = 128; else 32) from pool 0 into the
+        compressed pool of `kv_format` (lossy, irreversible), at most `max_blocks` per sequence
+        (None: all eligible), in the policy's order ("oldest": lowest block index; "coldest":
+        least attention mass). A KIVI key group of several blocks is taken whole or not at all.
+        Shared and pinned blocks are never rewritten."""
         return self._op(compress.compress, state, seq_ids, kv_format=kv_format,
                         keep_recent=keep_recent, policy=policy, max_blocks=max_blocks,
                         donate=donate)

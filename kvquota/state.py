@@ -37,7 +37,7 @@ from configs.formats import KVFormat, get_kv_format
 from configs.models import ModelConfig
 from kvquota.accounting import KVLayout, check_positive
 from kvquota.codes import INT32_MAX, TIER_DEVICE, TIER_HOST
-from kvquota.errors import ConfigError, StateMismatchError
+from kvquota.errors import ConfigError, FormatSpecError, StateMismatchError
 from kvquota.pages import PoolPages, init_pages
 from kvquota.prefix_index import PrefixIndex, init_index
 from kvquota.sentinel import INVALID
@@ -103,8 +103,13 @@ class StateConfig:
         for entry in self.compressed_pools:
             if not (isinstance(entry, tuple) and len(entry) == 2):
                 raise ConfigError(f"compressed pool {entry!r} is not (format name, blocks)")
-            get_kv_format(entry[0])
+            fmt = get_kv_format(entry[0])
             check_positive(**{f"blocks of compressed pool {entry[0]!r}": entry[1]})
+            try:  # a KIVI key group must be a whole number of blocks
+                if fmt.quantized:
+                    fmt.key.pages_per_group(self.block_size)
+            except FormatSpecError as err:
+                raise ConfigError(f"compressed pool {entry[0]!r}: {err}") from None
         names = [self.kv_format] + [name for name, _ in self.compressed_pools]
         if len(set(names)) != len(names):
             raise ConfigError(f"pool formats must be distinct, got {names}")

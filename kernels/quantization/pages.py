@@ -2,8 +2,9 @@
 
 The array layout is the one `configs.formats.QuantSpec` defines, so a pool built here has exactly
 the bytes the ledger charges: packed codes `[H, N, P, D*bits/8]` (low bits first along channels),
-bf16 scales `[H, N, P, D/group]` (per token) or `[H, N, 1, D]` (per channel, KIVI keys) and, for
-asymmetric specs, bf16 zero points of the same shape.
+bf16 scales `[H, N, P, D/group]` (per token) or `[H, N, 1, D]` (per channel, KIVI keys: the
+pages of one key group hold the same copy) and, for asymmetric specs, bf16 zero points of the
+same shape.
 
 Code conventions (one place, shared by the reference and the Pallas kernel):
   * symmetric 8-bit: int8 codes c in [-127, 127], x = c * scale.
@@ -171,8 +172,14 @@ def quantize_pages(
     kv_format: KVFormat | str,
     role: str,
     fill: jax.Array | None = None,  # i32[N]: tokens stored in each page (its first fill[n] slots)
+    group_pages: int = 1,
 ) -> QuantizedPages:
     """Quantizes whole pages to `kv_format`'s spec for `role` ("key" or "value").
+
+    `group_pages` (per-channel specs only): consecutive pages n, n+1, ... of one group share one
+    per-channel scale and zero point, computed over the group's tokens (KIVI's key group G =
+    group_pages x P tokens); each page stores its own copy, so it dequantizes alone. N must be
+    a multiple of it.
 
     `fill[n]` is how many tokens page n holds (its slots 0 .. fill[n]-1, as the state's per-block
     `fill`); None means all P. Slots past the fill never reach a scale or zero point — they may
@@ -188,6 +195,10 @@ def quantize_pages(
     fmt, spec = _spec_for(kv_format, role)
     h, n, p, d = x.shape
     spec.check_head_dim(d)  # raises FormatSpecError, as the byte accounting does
+    g = 1 if spec.scale_axis == "token" else group_pages
+    if not isinstance(g, int) or g < 1 or n % g:
+        raise ValueError(f"group_pages must be a positive integer dividing the {n} pages, got "
+                         f"{group_pages!r}")
     x = x.astype(jnp.float32)
     valid = _slot_mask(fill, x.shape)
     if valid is not None:
@@ -199,11 +210,13 @@ def quantize_pages(
         # A per-token scale sees only its own token: a zeroed slot gets scale 0, code "0".
         lo_in, hi_in = xg, xg
     else:
-        xg = x  # one scale per channel over the page's tokens (axis -2)
+        # One scale per channel over the group's g pages of tokens (axis -2).
+        xg = x.reshape(h, n // g, g * p, d)
         reduce_axis = -2
         # Padding slots must not widen the range: +inf / -inf are neutral for min / max.
-        lo_in = xg if valid is None else jnp.where(valid, xg, jnp.inf)
-        hi_in = xg if valid is None else jnp.where(valid, xg, -jnp.inf)
+        gvalid = None if valid is None else valid.reshape(1, n // g, g * p, 1)
+        lo_in = xg if valid is None else jnp.where(gvalid, xg, jnp.inf)
+        hi_in = xg if valid is None else jnp.where(gvalid, xg, -jnp.inf)
 
     def finite(a):  # an all-padding page reduces to +-inf: store zeros instead
         return a if valid is None else jnp.where(jnp.isfinite(a), a, 0.0)
@@ -230,6 +243,9 @@ def quantize_pages(
     codes = codes.reshape(h, n, p, d)
     if valid is not None and spec.asymmetric:  # padding slots: code 0, the zero point
         codes = jnp.where(valid, codes, 0.0)
+    if g > 1:  # each page of a group stores the group's scale (and zero point)
+        scale = jnp.repeat(scale, g, axis=1)
+        zero = None if zero is None else jnp.repeat(zero, g, axis=1)
     if spec.bits == 8:
         data = codes.astype(jnp.dtype(spec.data_dtype))
     else:
@@ -240,11 +256,12 @@ def quantize_pages(
 
 
 def quantize_kv(
-    k: jax.Array, v: jax.Array, kv_format: KVFormat | str, fill: jax.Array | None = None
+    k: jax.Array, v: jax.Array, kv_format: KVFormat | str, fill: jax.Array | None = None,
+    group_pages: int = 1,
 ) -> tuple[QuantizedPages, QuantizedPages]:
     """Quantizes K and V pages [H, N, P, D] with the format's key and value specs; `fill`
-    (i32[N], tokens per page) as in `quantize_pages`."""
-    return (quantize_pages(k, kv_format, "key", fill),
+    (i32[N], tokens per page) and `group_pages` as in `quantize_pages`."""
+    return (quantize_pages(k, kv_format, "key", fill, group_pages),
             quantize_pages(v, kv_format, "value", fill))
 
 

@@ -6,6 +6,12 @@ prefix-cache target (only exact full-precision blocks are). Which blocks: the se
 recent tokens (KIVI's full-precision residual window; the partial tail block is never full),
 lowest score first, at most `limit` per sequence. Scores come from the caller's policy (block
 index for "oldest first"; accumulated attention mass for "coldest first").
+
+A format whose key group spans several blocks (KIVI at G = 32 tokens over 16-token blocks,
+`QuantSpec.pages_per_group`) compresses whole groups only: the g = G / P blocks holding tokens
+[j G, (j + 1) G) of a sequence, all of them eligible, are quantized together with one key scale
+per channel (each block storing its copy); a group's score is its blocks' summed score, and
+`limit` counts blocks (a group takes g of them).
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from kvquota.validation import int_scalar, seq_batch
 COMPRESS_ORDERS = ("oldest", "coldest")
 
 
-def select(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent):
-    """bool[B, MB]: the blocks compress takes. scores f32[B, MB] (lowest first), limit i32[B],
-    keep_recent i32[] (tokens at the end of each sequence that stay in full precision)."""
+def select(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent,
+           group: int = 1):
+    """bool[B, MB]: the blocks compress takes. scores f32[B, MB] (lowest first), limit i32[B]
+    (blocks), keep_recent i32[] (tokens at the end of each sequence that stay in full
+    precision), group (static): blocks quantized together, taken whole or not at all."""
     p, mb = config.block_size, config.max_blocks_per_seq
     rows, tcol = seq_rows(state, seq_ids)
     lens = jnp.where(seq_ids >= 0, state.seqs.seq_lens[clip(seq_ids)], 0)
@@ -42,14 +50,27 @@ def select(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_rec
     cold = (k + 1) * p <= lens[:, None] - keep_recent
     full = state.blocks.fill[clip(rows)] == p
     eligible = own_blocks(config, state, rows, tcol, 0) & full & cold
-    order = jnp.argsort(jnp.where(eligible, scores, jnp.inf), axis=1, stable=True)
-    rank = jnp.argsort(order, axis=1, stable=True)  # position of each entry in the order
-    return eligible & (rank < limit[:, None])
+    b, ng = eligible.shape[0], -(-mb // group)  # a table tail shorter than a group never fits
+    pad = ((0, 0), (0, ng * group - mb))
+    whole = jnp.pad(eligible, pad).reshape(b, ng, group).all(axis=2)
+    gscore = jnp.pad(scores, pad).reshape(b, ng, group).sum(axis=2)
+    order = jnp.argsort(jnp.where(whole, gscore, jnp.inf), axis=1, stable=True)
+    rank = jnp.argsort(order, axis=1, stable=True)  # position of each group in the order
+    take = whole & ((rank + 1) * group <= limit[:, None])
+    return jnp.repeat(take, group, axis=1)[:, :mb]
 
 
-def count(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent):
+def count(config: StateConfig, state: KVState, seq_ids, scores, limit, keep_recent,
+          group: int = 1):
     """i32[]: blocks `select` takes (the facade's room check, by the very same rule)."""
-    return select(config, state, seq_ids, scores, limit, keep_recent).sum().astype(jnp.int32)
+    return select(config, state, seq_ids, scores, limit, keep_recent,
+                  group).sum().astype(jnp.int32)
+
+
+def group_blocks(config: StateConfig, pool: int) -> int:
+    """Blocks quantized together by compressed pool `pool`'s format (its key group, in blocks)."""
+    fmt = config.pool_formats[pool]
+    return fmt.key.pages_per_group(config.block_size) if fmt.quantized else 1
 
 
 def _requantize(config: StateConfig, pool: int):
@@ -57,7 +78,12 @@ def _requantize(config: StateConfig, pool: int):
     fmt = config.pool_formats[pool]
     start, size = config.pool_starts[pool], config.pool_sizes[pool]
 
+    group = group_blocks(config, pool)
+
     def write(pages, old, new, mask):
+        # [B, MB] padded to whole groups: a group's blocks sit side by side in `src`.
+        pad = ((0, 0), (0, -old.shape[1] % group))
+        old, new, mask = (jnp.pad(a, pad) for a in (old, new, mask))
         src = clip(jnp.where(mask, old, 0)).ravel()  # pool-0 ids are page indices
         dst = oob(new - start, mask, size).ravel()
         out = []
@@ -65,7 +91,8 @@ def _requantize(config: StateConfig, pool: int):
             x = getattr(pages[0], which)[:, :, src]  # [L, Hkv, B*MB, P, D]
             role = "key" if which == "k" else "value"
             if fmt.quantized:
-                q = jax.vmap(lambda xl, r=role: quantize_pages(xl, fmt, r))(x)
+                q = jax.vmap(lambda xl, r=role: quantize_pages(xl, fmt, r,
+                                                               group_pages=group))(x)
             else:  # a plain low-precision dtype (fp8): a cast is the whole compression
                 q = x.astype(fmt.dtype)
             out.append(jax.tree.map(lambda a, m: a.at[:, :, dst].set(m, mode="drop"),
@@ -81,7 +108,7 @@ def compress_core(config: StateConfig, state: KVState, seq_ids, scores, limit, k
                   pool):
     """Compress the selected blocks of `seq_ids` (i32[B], unique, INVALID = padding) into
     compressed pool `pool` (static). The facade checked that the pool has room."""
-    move = select(config, state, seq_ids, scores, limit, keep_recent)
+    move = select(config, state, seq_ids, scores, limit, keep_recent, group_blocks(config, pool))
     state, per_seq, rep = relocate(config, state, seq_ids, move, 0, pool,
                                    _requantize(config, pool))
     report = CompressReport(
@@ -98,20 +125,26 @@ def compress_core(config: StateConfig, state: KVState, seq_ids, scores, limit, k
     return state, report
 
 
-_count = jax.jit(count, static_argnums=(0,))
+_count = jax.jit(count, static_argnums=(0, 6))
+
+DEFAULT_KEEP_RECENT = 32  # full-precision window of a format that prescribes none
 
 
 def compress(config: StateConfig, state: KVState, seq_ids, *, kv_format: str,
-             keep_recent: int = 32, policy: str = "oldest", max_blocks: Optional[int] = None,
-             donate=False):
+             keep_recent: Optional[int] = None, policy: str = "oldest",
+             max_blocks: Optional[int] = None, donate=False):
     """Allocator.compress: a configured format, the options, running or idle ids, and room in
-    the compressed pool for exactly the blocks `select` takes."""
+    the compressed pool for exactly the blocks `select` takes. keep_recent None: the format's
+    `residual` (KIVI: R = 128), else 32."""
     c = config
     names = [name for name, _ in c.compressed_pools]
     if kv_format not in names:
         raise TierError(f"compress: no compressed pool of format {kv_format!r} in this "
                         f"config (compressed pools: {names or 'none'})")
     pool = 1 + names.index(kv_format)
+    if keep_recent is None:
+        keep_recent = c.pool_formats[pool].residual
+        keep_recent = DEFAULT_KEEP_RECENT if keep_recent is None else keep_recent
     keep = int_scalar("keep_recent", keep_recent, InvalidArgumentError)
     if keep < 0:
         raise InvalidArgumentError(f"keep_recent must be >= 0, got {keep}")
@@ -130,7 +163,7 @@ def compress(config: StateConfig, state: KVState, seq_ids, *, kv_format: str,
         scores = np.broadcast_to(np.arange(c.max_blocks_per_seq, dtype=np.float32),
                                  (ids.size, c.max_blocks_per_seq))
     args = (ids, scores, np.full(ids.size, limit, np.int32), np.int32(keep))
-    need = int(_count(c, state, *args))
+    need = int(_count(c, state, *args, group_blocks(c, pool)))
     room = int(allocatable(c, state, xp=np)[pool])
     if need > room:
         raise PoolFullError(f"compress: {need} blocks to compress, the {kv_format} pool has "

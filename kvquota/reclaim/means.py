@@ -174,6 +174,10 @@ class Compress(Means):
         lens = planner.view.seqs.seq_lens[row]
         cold = (pos + 1) * c.block_size <= lens - planner.policy.compress_keep_recent
         pos = pos[full & cold]
+        group = compress.group_blocks(c, pool)  # a KIVI key group: its blocks go together
+        if group > 1:
+            first, n = np.unique(pos // group, return_counts=True)
+            pos = pos[np.isin(pos // group, first[n == group])]
         if not len(pos) or len(pos) > m.free[pool]:
             return False
         m.move(row, pos, pool)

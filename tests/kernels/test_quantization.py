@@ -14,6 +14,7 @@ from kernels.quantization import (
     unpack_codes,
 )
 from configs.formats import get_kv_format
+from tests.kernels.cases import assert_close
 
 FORMATS = ["int8", "int4", "kivi2", "kivi4"]
 
@@ -177,3 +178,60 @@ def test_fill_must_name_every_page():
         quantize_pages(jnp.ones((1, 3, 16, 64)), "kivi2", "key", fill=jnp.array([16, 5]))
     with pytest.raises(ValueError, match="fill must be an integer array"):
         quantize_pages(jnp.ones((1, 3, 16, 64)), "kivi2", "key", fill=jnp.ones(3))
+
+
+def _kivi_key_reference(x, bits, group_tokens):
+    """KIVI's key rule in NumPy (Liu et al., 2024): per channel over each group of
+    `group_tokens` consecutive tokens of one head, scale = (max - min) / (2^b - 1) and zero =
+    min (both rounded to bf16, as stored), code = clip(round((x - zero) / scale), 0, 2^b - 1),
+    x' = code * scale + zero. x f32[T, D], T a multiple of the group."""
+    t, d = x.shape
+    xg = x.reshape(t // group_tokens, group_tokens, d)
+    levels = (1 << bits) - 1
+    lo, hi = xg.min(axis=1, keepdims=True), xg.max(axis=1, keepdims=True)
+    scale = ((hi - lo) / np.float32(levels)).astype(jnp.bfloat16).astype(np.float32)
+    zero = lo.astype(jnp.bfloat16).astype(np.float32)
+    codes = np.clip(np.round((xg - zero) / np.where(scale > 0, scale, 1)), 0, levels)
+    return codes.reshape(t, d), scale[:, 0], zero[:, 0], (codes * scale + zero).reshape(t, d)
+
+
+@pytest.mark.parametrize("name,page", [("kivi2", 16), ("kivi4", 16), ("kivi2", 8),
+                                       ("kivi2-g16", 16)])
+def test_kivi_keys_at_the_papers_group_against_numpy(name, page):
+    """G = 32 (kivi2/kivi4) spans 32 / P pages: one scale and zero point per channel over the
+    group's 32 tokens, each page of the group storing the same copy; kivi2-g16 (G = 16) is the
+    one-page group at P = 16."""
+    spec = get_kv_format(name).key
+    g = spec.pages_per_group(page)
+    heads, pages, d = 2, 4, 64
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (heads, pages, page, d)) * 3.0)
+    q = quantize_pages(jnp.asarray(x), name, "key", group_pages=g)
+    codes = np.asarray(unpack_codes(q.data, spec.bits))
+    scales, zeros = np.asarray(q.scales, np.float32), np.asarray(q.zeros, np.float32)
+    got = np.asarray(dequantize_pages(q))
+    for h in range(heads):
+        w_codes, w_scale, w_zero, w_x = _kivi_key_reference(x[h].reshape(-1, d), spec.bits,
+                                                            spec.tokens)
+        np.testing.assert_array_equal(codes[h].reshape(-1, d), w_codes)
+        # Page n stores its group's scale and zero point: [N, 1, D] against [N / g, D].
+        np.testing.assert_array_equal(scales[h, :, 0], np.repeat(w_scale, g, axis=0))
+        np.testing.assert_array_equal(zeros[h, :, 0], np.repeat(w_zero, g, axis=0))
+        assert_close(got[h].reshape(-1, d), w_x, np.float32, f"{name} head {h}")
+    # The group is not the page: per-page scales (today's rule at G = P) would differ.
+    if g > 1:
+        per_page = np.asarray(quantize_pages(jnp.asarray(x), name, "key").scales)
+        assert not np.array_equal(per_page, np.asarray(q.scales))
+
+
+@pytest.mark.parametrize("group_pages", [3, 0, -1, 2.0])
+def test_a_key_group_must_divide_the_pages(group_pages):
+    with pytest.raises(ValueError, match="group_pages"):
+        quantize_pages(jnp.ones((1, 4, 16, 64)), "kivi2", "key", group_pages=group_pages)
+
+
+@pytest.mark.parametrize("page", [64, 12, 0])
+def test_a_key_group_that_is_no_whole_number_of_blocks_is_refused(page):
+    from configs.errors import FormatSpecError
+
+    with pytest.raises(FormatSpecError, match="not a whole number of blocks"):
+        get_kv_format("kivi2").key.pages_per_group(page)
