@@ -285,7 +285,7 @@ def main(argv):
     run = runs.open_run("reclaim_demo", "experiments.reclaim_demo", config, seed=None,
                         root=FLAGS.runs_dir, overwrite=FLAGS.overwrite)
     if run.complete:
-        cli.note(f"{run.path} already holds this run; showing it again (--overwrite reruns it)")
+        runs.replay_note(run)
         summary = run.stored_summary()
     else:
         events = kq.serving.JsonLines(run.path / "events.jsonl")
