@@ -16,14 +16,28 @@ from configs.errors import KVQuotaError
 # Method names as in the literature. Quantization: one row per method (every full block outside
 # the full-precision window compressed); eviction: one row per budget of kept tokens; tiered: the
 # reclaim planner's tiered order under a byte quota cut.
-QUANT_METHODS = ("fp8", "int8", "int4", "kivi2", "kivi4")
-EVICT_METHODS = ("streamingllm", "h2o", "snapkv", "snapkv-noq", "tova", "knorm", "random")
+# The published method has the plain name; this project's earlier rule, where it differs, is a
+# named variant beside it (kivi2-g16: G = 16, R = 32; h2o-fixed: a fixed recent window).
+QUANT_METHODS = ("fp8", "int8", "int4", "kivi2", "kivi4", "kivi2-g16", "kivi4-g16")
+EVICT_METHODS = ("streamingllm", "h2o", "h2o-fixed", "snapkv", "snapkv-avg", "snapkv-noq",
+                 "tova", "knorm", "random")
 TIERED_METHODS = ("tiered",)
 METHODS = QUANT_METHODS + EVICT_METHODS + TIERED_METHODS
 CONTROL = "none"  # the untouched cache run again: every difference from the reference must be 0
-# Question-agnostic methods' names -> the library policy they run with a different observation
-# window (the last W tokens before the question instead of the last W of the prompt).
-NO_QUESTION = {"snapkv-noq": "snapkv"}
+# Eviction methods that are a library policy with options: name -> (policy, options).
+EVICT_POLICIES = {"snapkv-avg": ("snapkv", {"pool": "avg"}),  # kvpress's pooling
+                  "snapkv-noq": ("snapkv", {})}
+# Question-agnostic methods: observation window = the last W tokens before the question instead
+# of the last W of the prompt (kvpress's default; the same window on plain text).
+NO_QUESTION = ("snapkv-noq",)
+# Named variants of a published method (run beside it; no "global" rows of their own).
+VARIANTS_OF = {"kivi2-g16": "kivi2", "kivi4-g16": "kivi4", "h2o-fixed": "h2o",
+               "snapkv-avg": "snapkv", "snapkv-noq": "snapkv"}
+
+
+def evict_policy(method: str) -> tuple[str, dict]:
+    """(registered eviction policy, options) that `method` runs."""
+    return EVICT_POLICIES.get(method, (method, {}))
 # RULER-style synthetic tasks (Hsieh et al., 2024, "RULER: What's the Real Context Size of Your
 # Long-Context Language Models?"), generated offline at run time (experiments/tasks.py).
 TASK_KINDS = ("single_needle", "multikey_needle", "multivalue", "variable_tracking",

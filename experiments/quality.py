@@ -62,6 +62,7 @@ from absl import flags
 
 import kvquota as kq
 from configs import quality as qc
+from configs.formats import get_kv_format
 from experiments import cli, runs, tasks
 
 FLAGS = flags.FLAGS
@@ -177,7 +178,7 @@ def conditions(preset: qc.QualityPreset, probes: bool) -> list[Condition]:
         elif m in qc.EVICT_METHODS:
             budgets = preset.task_budgets if probes else preset.budgets
             out += [Condition(m, "oneshot", f) for f in budgets]
-            if not probes and m not in qc.NO_QUESTION:  # global: one set, no question either
+            if not probes and m not in qc.VARIANTS_OF:  # the published methods, one set
                 out += [Condition(m, "global", f) for f in preset.global_budgets]
         else:
             out += [Condition(m, "oneshot", f) for f in preset.tiered_targets]
@@ -449,7 +450,10 @@ class Bench:
 
     # ---- the means ----------------------------------------------------------------------------
     def _compress_hook(self, fmt):
-        w = self.preset.window
+        """Compression into `fmt` outside its full-precision window: the format's own (KIVI's
+        R = 128) or the preset's W."""
+        residual = get_kv_format(fmt).residual
+        w = self.preset.window if residual is None else residual
 
         def hook(eng, rows):
             eng.state, _ = eng.allocator.compress(eng.state, rows, kv_format=fmt,
@@ -468,8 +472,8 @@ class Bench:
         read and checked against the state's pages)."""
         eng, w = self.engine, self.preset.window
         keep = self._keep_tokens(fraction)
-        policy = qc.NO_QUESTION.get(method, method)
-        options = {"seed": self.preset.seed} if method == "random" else {}
+        policy, options = qc.evict_policy(method)
+        options = {**options, "seed": self.preset.seed} if method == "random" else options
         args = dict(policy=policy, keep_tokens=keep, recent=min(w, keep), aggregate=aggregate,
                     attention=self.last_mass, **options)
         mask = self.alloc.keep_mask(eng.state, self.seqs, **args)
@@ -1172,8 +1176,9 @@ def _dump(path: pathlib.Path, record) -> None:
 
 
 def execute(config: dict, *, runs_dir: str = runs.RUNS_DIR, overwrite: bool = False,
-            out=None, out_dir=None, print_json: bool = False, progress: bool = True) -> dict:
-    """The run directory of `config`: measured (unless already complete), metrics.json written
+            out=None, out_dir=None, print_json: bool = False, progress=None) -> dict:
+    """A new run directory of `config` (or, with --replay, the newest complete one): measured,
+    progress on stderr unless `progress` is False (default: --progress), metrics.json written
     without any timing (byte-identical on a rerun), the CSV, the plots, timing.json; --out and
     --out_dir copies. Returns the summary."""
     preset = _preset(config)
@@ -1181,11 +1186,12 @@ def execute(config: dict, *, runs_dir: str = runs.RUNS_DIR, overwrite: bool = Fa
                         overwrite=overwrite)
     path = run.path
     if run.complete:
-        cli.note(f"{path} already holds this run (git {str(run.config['git_commit'])[:10]}, "
-                 f"{run.config['time_utc']}); showing it again: pass --overwrite to measure anew")
+        cli.note(f"--replay: showing {path} again (git {str(run.config['git_commit'])[:10]}, "
+                 f"{run.config['time_utc']}), not measuring")
         summary = runs.read_metrics(path)
     else:
-        measured, timing = measure(config, run.add_point, progress)
+        measured, timing = measure(config, run.add_point,
+                                   cli.progress_on() if progress is None else progress)
         device = {k: v for k, v in runs.device().items() if k != "load_average_1_5_15"}
         summary = {**measured, "experiment": EXPERIMENT, "config": config,
                    "command": _measured_command(), "versions": runs.versions(),

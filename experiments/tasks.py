@@ -49,6 +49,7 @@ class Probe:
     needle: context indices of the tokens that state the answer (empty for common_words).
     question_at: context index where the question starts (SnapKV-noq's window ends there).
     depths: the drawn depth of each statement (fraction of the filler before it).
+    placed: (context index, tokens) of each statement, in context order.
     """
 
     kind: str
@@ -59,6 +60,7 @@ class Probe:
     question_at: int
     depths: tuple
     answer: str
+    placed: tuple = ()
 
 
 def _number(rng) -> str:
@@ -68,7 +70,8 @@ def _number(rng) -> str:
 def _place(filler, statements, length, question, rng):
     """Filler cut to fit `length` with the statements (token lists, each with the relative
     indices of its answer tokens) inserted at uniform depths in the given order, then the
-    question. Returns (context, answer indices of each statement, depths, question_at)."""
+    question. Returns (context, answer indices of each statement, depths, question_at,
+    (start, length) of each statement)."""
     room = length - sum(len(s) for s, _ in statements) - len(question)
     if room < 1:
         raise ValueError(f"a task context of {length} tokens has no room for its statements")
@@ -77,16 +80,18 @@ def _place(filler, statements, length, question, rng):
     start = int(rng.integers(0, len(filler) - room + 1))
     body = list(filler[start:start + room])
     depths = np.sort(rng.uniform(0.0, 1.0, len(statements)))
-    context, spans, at = [], [], 0
+    context, spans, placed, at = [], [], [], 0
     for (tokens, answer_at), depth in zip(statements, depths):
         cut = int(round(depth * room))
         context += body[at:cut]
         at = cut
         spans.append([len(context) + j for j in answer_at])
+        placed.append((len(context), len(tokens)))
         context += tokens
     context += body[at:]
     question_at = len(context)
-    return context + list(question), spans, tuple(float(d) for d in depths), question_at
+    return (context + list(question), spans, tuple(float(d) for d in depths), question_at,
+            tuple(placed))
 
 
 def _statement(enc, head, value, tail):
@@ -146,21 +151,23 @@ def make_probe(kind: str, enc, filler, length: int, rng) -> Probe:
         return _common_words(enc, length, rng)
     else:
         raise ValueError(f"unknown task kind {kind!r}")
-    context, spans, depths, question_at = _place(filler, statements, length, question, rng)
+    context, spans, depths, question_at, placed = _place(filler, statements, length,
+                                                         question, rng)
     needle = tuple(j for s in keep for j in spans[s])  # the asked statements' answer tokens
     continuation, scored = _answer(enc, lead, values, sep)
     return Probe(kind, context, continuation, scored, needle, question_at, depths,
-                 "".join(values).strip())
+                 "".join(values).strip(), placed)
 
 
 def _common_words(enc, length, rng) -> Probe:
     """A numbered word list of at most `length` tokens (short by less than one entry): ten
-    common words take about three quarters of the entries, each rare word appears once."""
+    common words take about three quarters of the entries, each rare word at most once."""
     words = [str(w) for w in rng.permutation(WORDS)]
     common = words[:10]
     question = enc("\nQuestion: What are the 10 most common words in the above list?")
     lead = "\nAnswer: The 10 words that appear most often in the list are:"
-    entries = (length - len(question)) // len(enc(f"\n{length}. {common[0]}"))
+    shortest = min(len(enc(f"\n{length}. {w}")) for w in words)
+    entries = (length - len(question)) // shortest + 1  # more than fit: the list is cut
     repeats = max(3, entries * 3 // 40)
     pool = common * repeats + words[10:10 + max(0, min(30, entries - 10 * repeats))]
     seq = [str(w) for w in rng.permutation(pool)]
