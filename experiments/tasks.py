@@ -160,33 +160,36 @@ def make_probe(kind: str, enc, filler, length: int, rng) -> Probe:
 
 
 def _common_words(enc, length, rng) -> Probe:
-    """A numbered word list of at most `length` tokens (short by less than one entry): ten
-    common words take about three quarters of the entries, each rare word at most once."""
+    """A numbered word list of at most `length` tokens with the question (short by less than
+    one entry): ten common words r >= 3 times each (the largest r that fits), then as many
+    rare words, once each, as still fit (at most 30), in a random order."""
     words = [str(w) for w in rng.permutation(WORDS)]
-    common = words[:10]
+    common, rare = words[:10], words[10:]
     question = enc("\nQuestion: What are the 10 most common words in the above list?")
     lead = "\nAnswer: The 10 words that appear most often in the list are:"
-    shortest = min(len(enc(f"\n{length}. {w}")) for w in words)
-    entries = (length - len(question)) // shortest + 1  # more than fit: the list is cut
-    repeats = max(3, entries * 3 // 40)
-    pool = common * repeats + words[10:10 + max(0, min(30, entries - 10 * repeats))]
-    seq = [str(w) for w in rng.permutation(pool)]
-    context, listed = [], []
-    for word in seq:
-        piece = enc(f"\n{len(listed) + 1}. {word}")
-        if len(context) + len(piece) + len(question) > length:
-            break
-        context += piece
-        listed.append(word)
+
+    def pieces(seq):
+        return [enc(f"\n{i + 1}. {w}") for i, w in enumerate(seq)]
+
+    def fits(seq):
+        return sum(len(x) for x in pieces(seq)) + len(question) <= length
+
+    repeats = 3
+    if not fits(common * repeats):
+        raise ValueError(f"a common-words context of {length} tokens cannot hold ten words "
+                         "three times each")
+    while fits(common * (repeats + 1)):
+        repeats += 1
+    k = 0
+    while k < len(rare) and fits(common * repeats + rare[:k + 1]):
+        k += 1
+    seq = [str(w) for w in rng.permutation(common * repeats + rare[:k])]
+    while not fits(seq):  # numbering of another order can take a token more: drop a rare one
+        seq.remove(next(w for w in reversed(seq) if w in rare))
+    context = [t for x in pieces(seq) for t in x]
     question_at = len(context)
     context += question
-    counts = {w: listed.count(w) for w in set(listed)}
-    top = sorted(counts, key=lambda w: -counts[w])[:10]
-    if sorted(top) != sorted(common) or min(counts[w] for w in common) <= max(
-            [counts[w] for w in counts if w not in common] or [0]):
-        raise ValueError(f"a common-words context of {length} tokens is too short to make its "
-                         "ten words the most common")
-    seen = list(dict.fromkeys(w for w in listed if w in common))
+    seen = list(dict.fromkeys(w for w in seq if w in common))
     continuation, scored = _answer(enc, lead, [f" {w}" for w in seen], ",")
     return Probe("common_words", context, continuation, scored, (), question_at, (),
                  ",".join(seen))
