@@ -144,3 +144,38 @@ def test_h2o_block_mode_keeps_the_recent_half_in_whole_blocks():
 def test_h2o_bad_recent_share_is_a_typed_error(share):
     with pytest.raises(E.InvalidArgumentError):
         get_policy("h2o", recent_share=share)
+
+
+# ---- key norm ----------------------------------------------------------------------------------
+
+
+def test_knorm_keeps_each_heads_lowest_key_norms_through_the_state():
+    """Devoto et al.'s rule end to end: `keep_mask` and `evict` on a state with random pages keep,
+    in every (layer, KV head), the tokens whose stored (rotated) key has the lowest L2 norm over
+    its channels, besides the `recent` window (NumPy, read through the block table); each head
+    then holds exactly those keys and the invariants hold."""
+    from tests.state.common import TINY, fresh, prompts
+    from tests.state.test_state_tiers import _with_pages
+
+    alloc, s = fresh()
+    s, _ = alloc.admit(s, *prompts([(0, [1, 2, 3, 4, 5, 6, 7])]))
+    s = _with_pages(alloc, s, seed=7)
+    p, n, keep, recent = TINY.block_size, 7, 4, 1
+    table = np.asarray(s.seqs.block_tables[0])
+    i = np.arange(n)
+    k = np.asarray(s.pages[0].k)[:, :, table[i // p], i % p]  # [L, Hkv, n, D]
+    norms = np.sqrt((k.astype(np.float64) ** 2).sum(-1))
+    mask = alloc.keep_mask(s, [0], policy="knorm", keep_tokens=keep, recent=recent)
+    s2, _ = alloc.evict(s, [0], policy="knorm", keep_tokens=keep, recent=recent)
+    alloc.check(s2)
+    table2 = np.asarray(s2.seqs.block_tables[0])
+    j = np.arange(keep)
+    k2 = np.asarray(s2.pages[0].k)[:, :, table2[j // p], j % p]
+    chosen = set()
+    for layer, head in np.ndindex(*norms.shape[:2]):
+        older = sorted(range(n - recent), key=lambda t: (norms[layer, head, t], -t))
+        want = sorted(older[:keep - recent] + list(range(n - recent, n)))
+        assert np.flatnonzero(mask[0, layer, head]).tolist() == want
+        np.testing.assert_array_equal(k2[layer, head], k[layer, head, want])
+        chosen.add(tuple(want))
+    assert len(chosen) > 1  # the heads chose differently
