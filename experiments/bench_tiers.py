@@ -387,11 +387,12 @@ def run_model(model: str, opts: dict, on_point, result: dict | None = None) -> d
             return alloc.compress(s, ids, kv_format=fmt, keep_recent=opts["keep_recent"],
                                   donate=True)
 
-        nbytes = expected_compressed(opts) * config.pool_bytes[0]
+        expected = expected_compressed(opts, kq.get_kv_format(fmt))
+        nbytes = expected * config.pool_bytes[0]
         (state, rep), seconds, same = time_op(call, base, nbytes, None, repeats)
         alloc.check(state)
         record = compress_record(config, rep, ledger_delta(alloc, base, state), pool)
-        record["blocks_as_expected"] = rep.blocks_compressed == expected_compressed(opts)
+        record["blocks_as_expected"] = rep.blocks_compressed == expected
         return {**record, "checked": True, "reports_consistent": same, **_timing(seconds)}
 
     def evict(mode):
@@ -425,10 +426,13 @@ def run_model(model: str, opts: dict, on_point, result: dict | None = None) -> d
     return result
 
 
-def expected_compressed(opts) -> int:
+def expected_compressed(opts, fmt) -> int:
     """Blocks compress should take: per sequence, the full blocks wholly before the last
-    keep_recent tokens."""
-    return opts["seqs"] * max(0, (opts["seq_tokens"] - opts["keep_recent"]) // opts["block_size"])
+    keep_recent tokens, in whole key groups of the format (KIVI: G / block_size blocks)."""
+    p = opts["block_size"]
+    group = fmt.key.pages_per_group(p) if fmt.quantized else 1
+    cold = max(0, (opts["seq_tokens"] - opts["keep_recent"]) // p)
+    return opts["seqs"] * (cold // group * group)
 
 
 def _line(record: dict) -> str:
@@ -550,9 +554,11 @@ def main(argv):
             raise cli.BadInput(f"{model}: {opts['seqs']} x {opts['seq_tokens']} tokens need "
                                f"{mib:.0f} MiB of pages over all pools, over --max_state_mib="
                                f"{FLAGS.max_state_mib}: lower --seqs or --seq_tokens")
-    if expected_compressed(opts) == 0:
-        raise cli.BadInput(f"--keep_recent={opts['keep_recent']} leaves no full block of "
-                           f"--seq_tokens={opts['seq_tokens']} to compress")
+    for fmt in opts["formats"]:
+        if expected_compressed(opts, kq.get_kv_format(fmt)) == 0:
+            raise cli.BadInput(f"--keep_recent={opts['keep_recent']} leaves no full block of "
+                               f"--seq_tokens={opts['seq_tokens']} to compress into {fmt} (in "
+                               "whole key groups for KIVI)")
     measured = {}
 
     def measure(add_point):

@@ -293,11 +293,12 @@ def define_model_source(default_format: str = "f32") -> None:
         module_name=_main_module())
     define_kv_format(default_format, extra_help=(
         "A full-precision format (f32, bf16, f16) holds every token; a compressed one (fp8, "
-        "int8, int4, kivi2, kivi4) keeps the --keep_recent newest tokens in f32 and compresses "
-        "every full block outside that window before the next token attends to it."))
-    flags.DEFINE_integer("keep_recent", 32, "Newest tokens kept in full precision (compressed "
-                         "formats) or always kept (eviction).", lower_bound=0,
-                         module_name=_main_module())
+        "int8, int4, kivi2, kivi4, ...) keeps the --keep_recent newest tokens in f32 and "
+        "compresses every full block (KIVI: key group) outside that window before the next "
+        "token attends to it."))
+    flags.DEFINE_integer("keep_recent", None, "Newest tokens kept in full precision (compressed "
+                         "formats) or always kept (eviction); default: the format's own window "
+                         "(KIVI: R = 128), else 32.", lower_bound=0, module_name=_main_module())
     flags.DEFINE_string("evict_policy", None, "Evict down to --budget_tokens before each block "
                         f"with this policy: {', '.join(sorted(kq.POLICIES))}.",
                         module_name=_main_module())
@@ -315,10 +316,17 @@ def define_model_source(default_format: str = "f32") -> None:
         "compress (a compressed --kv_format) or evict (--evict_policy), one at a time")
 
 
-def cache_policy(kv_format: str, keep_recent: int, evict_policy, budget_tokens):
+def cache_policy(kv_format: str, keep_recent, evict_policy, budget_tokens, block_size=None):
     """(pool-0 format, kq.CachePolicy) for the flags: a compressed --kv_format means f32 in pool
-    0 and compression into that format."""
-    if get_kv_format(kv_format).compressed:
+    0 and compression into that format. keep_recent None: the format's `residual` (KIVI: 128),
+    else 32. With `block_size`, a KIVI key group that is no whole number of blocks is refused
+    here, before any weights load."""
+    fmt = get_kv_format(kv_format)
+    if keep_recent is None:
+        keep_recent = fmt.residual if fmt.residual is not None else 32
+    if fmt.compressed:
+        if block_size is not None and fmt.quantized:
+            fmt.key.pages_per_group(block_size)  # FormatSpecError names the rule
         return "f32", kq.CachePolicy(kv_format=kv_format, keep_recent=keep_recent)
     return kv_format, kq.CachePolicy(keep_recent=keep_recent, evict_policy=evict_policy,
                                      budget_tokens=budget_tokens)

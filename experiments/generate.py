@@ -35,7 +35,8 @@ def define_flags():
 
 
 def run(model: str, prompt: str, max_new_tokens: int, *, chat: bool = False, weights_path=None,
-        sampling: kq.Sampling = kq.Sampling(), kv_format: str = "f32", keep_recent: int = 32,
+        sampling: kq.Sampling = kq.Sampling(), kv_format: str = "f32",
+        keep_recent: int | None = None,
         evict_policy: str | None = None, budget_tokens: int | None = None) -> dict:
     """Generates a continuation of `prompt` (the library call behind the CLI); the input is
     checked (cli.BadInput, a ValueError) before the weights load."""

@@ -54,7 +54,7 @@ def token_ids(tok, text: str, max_tokens: int, config, source: str = "the text")
 
 
 def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size: int = 256,
-        block_size: int = 16, kv_format: str = "f32", keep_recent: int = 32,
+        block_size: int = 16, kv_format: str = "f32", keep_recent: int | None = None,
         evict_policy: str | None = None, budget_tokens: int | None = None,
         source: str = "the text") -> dict:
     """The score record for `text` (the library call behind the CLI); the input is checked
@@ -64,7 +64,8 @@ def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size
     if not text.strip():
         raise cli.BadInput(f"{source} is empty: nothing to score")
     cli.check_model_source(model, weights_path)
-    pool0, policy = cli.cache_policy(kv_format, keep_recent, evict_policy, budget_tokens)
+    pool0, policy = cli.cache_policy(kv_format, keep_recent, evict_policy, budget_tokens,
+                                     block_size)
     tok = kq.load_tokenizer(model, weights_path)
     ids = token_ids(tok, text, max_tokens, kq.get_model_config(model), source)
     config, params = kq.load_pretrained(model, weights_path)
@@ -88,7 +89,7 @@ def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size
         "seconds": time.perf_counter() - start,
     }
     if not policy.lossless:
-        record.update(keep_recent=keep_recent, evict_policy=evict_policy,
+        record.update(keep_recent=policy.keep_recent, evict_policy=evict_policy,
                       budget_tokens=budget_tokens, pool0_format=pool0, cache_bytes_by_pool=held)
     return record
 

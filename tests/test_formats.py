@@ -14,9 +14,11 @@ from kernels.quantization import empty_quantized_pages, quantize_pages
 #   kivi2: K data 16*64/4 = 256 + per-channel scale and zero 64 x 4 B = 256 -> 512
 #          V data 256 + per token 2 groups of 32 x 4 B = 16 x 2 x 4 = 128 -> 384; total 896
 #   kivi4: K 512 + 256 = 768, V 512 + 128 = 640; total 1408
+#   kivi2-g16 / kivi4-g16: the same pages (the key group G sets which tokens share the stored
+#          scale, not how many are stored: every block keeps its copy)
 HAND_BYTES_D64_P16 = {
     "f32": 8192, "bf16": 4096, "f16": 4096, "fp8": 2048,
-    "int8": 2112, "int4": 1088, "kivi2": 896, "kivi4": 1408,
+    "int8": 2112, "int4": 1088, "kivi2": 896, "kivi4": 1408, "kivi2-g16": 896, "kivi4-g16": 1408,
 }
 
 

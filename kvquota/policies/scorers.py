@@ -33,6 +33,11 @@ from kvquota.policies.base import EvictionPolicy, TokenView
 
 @dataclasses.dataclass(frozen=True)
 class StreamingLLM(EvictionPolicy):
+    """Sinks plus the most recent tokens. Positions are NOT re-indexed as in the paper's rolling
+    cache (a kept token's position there is its slot in the cache): this project keeps every
+    token at its original position (keys stay rotated there, new tokens decode at their own
+    index), as kvpress's StreamingLLMPress does without its KeyRerotationPress wrapper."""
+
     name = "streamingllm"
     sinks: int = 4
 

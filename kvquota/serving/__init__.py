@@ -11,11 +11,13 @@ from kvquota.serving.streaming import (
     generate_streaming,
     score_streaming,
 )
+from kvquota.serving.stepwise import StepwiseEviction, score_stepwise, stepwise_state_config
 
 __all__ = [
     "DenseEngine", "Generation", "PagedEngine", "ScoreResult", "generate", "score",
     "scoring_state_config", "Sampling", "sample_tokens", "CachePolicy", "cache_bytes_by_pool",
-    "generate_streaming", "score_streaming", "branch", "extend",
+    "generate_streaming", "score_streaming", "branch", "extend", "StepwiseEviction",
+    "score_stepwise", "stepwise_state_config",
 ]
 
 # ---- the multi-tenant scheduler (issue #11) ------------------------------------------------------

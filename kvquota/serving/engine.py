@@ -306,6 +306,11 @@ class PagedEngine(_Engine):
         return self.allocator.config
 
     @property
+    def records_attention(self) -> bool:
+        """Whether decode steps record their attention mass (`last_mass`)."""
+        return self._record is not None
+
+    @property
     def pool_starts(self) -> tuple[int, ...]:
         """First block id of each pool the model reads: pool 0 and the compressed device pools
         (a running sequence's table may mix them; the host pool is never read)."""

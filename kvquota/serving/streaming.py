@@ -19,6 +19,7 @@ import numpy as np
 
 from configs.formats import get_kv_format
 from configs.models import ModelConfig
+from kvquota.core.compress import DEFAULT_KEEP_RECENT
 from kvquota.errors import InvalidArgumentError
 from kvquota.policies import get_policy
 from kvquota.serving.engine import PagedEngine, ScoreResult, _paged_forward, _token_logprobs
@@ -32,13 +33,14 @@ class CachePolicy:
 
     Attributes:
       kv_format: a compressed format (quantized or fp8) to compress into, or None.
-      keep_recent: tokens at the end kept in full precision (KIVI's residual window).
+      keep_recent: tokens at the end kept in full precision (KIVI's residual window) or, when
+        evicting, always kept; None: the format's `residual` (KIVI: R = 128), else 32.
       evict_policy: a registered eviction policy name (kvquota.policies), or None.
       budget_tokens: with evict_policy, the tokens kept after each eviction.
     """
 
     kv_format: Optional[str] = None
-    keep_recent: int = 32
+    keep_recent: Optional[int] = None
     evict_policy: Optional[str] = None
     budget_tokens: Optional[int] = None
 
@@ -46,7 +48,8 @@ class CachePolicy:
         if self.kv_format is not None and not get_kv_format(self.kv_format).compressed:
             raise InvalidArgumentError(f"{self.kv_format!r} is a full-precision format: "
                                        "nothing to compress into")
-        if not isinstance(self.keep_recent, int) or self.keep_recent < 0:
+        if self.keep_recent is not None and (not isinstance(self.keep_recent, int)
+                                             or self.keep_recent < 0):
             raise InvalidArgumentError(f"keep_recent must be >= 0, got {self.keep_recent!r}")
         if (self.evict_policy is None) != (self.budget_tokens is None):
             raise InvalidArgumentError("evict_policy and budget_tokens go together")
@@ -83,7 +86,9 @@ class CachePolicy:
                     return  # no decode step yet (right after the prefill): evict next time
                 engine.state, _ = alloc.evict(engine.state, seq_ids, policy=self.evict_policy,
                                               keep_tokens=self.budget_tokens,
-                                              recent=min(self.keep_recent, self.budget_tokens),
+                                              recent=min(DEFAULT_KEEP_RECENT if
+                                                         self.keep_recent is None else
+                                                         self.keep_recent, self.budget_tokens),
                                               attention=None if last is None else
                                               np.asarray(last), donate=True)
 

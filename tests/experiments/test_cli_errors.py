@@ -64,6 +64,8 @@ MORE_CASES = [
     ("score", ["--text_file={text}", "--evict_policy=h3o", "--budget_tokens=8"],
      "must be one of: h2o"),
     ("score", ["--text_file={text}", "--keep_recent=-1"], "--keep_recent=-1"),
+    ("score", ["--text_file={text}", "--kv_format=kivi2", "--block_size=64"],
+     "key group of 32 tokens is not a whole number of blocks of 64"),
     ("score", ["--text_file={missing}"], "No such file or directory"),
     ("score", [], "--text_file must have a value"),
     ("score", ["--text_file={text}", "--model=qwen2.5-7b"], "needs --weights"),

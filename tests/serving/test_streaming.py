@@ -21,19 +21,31 @@ def test_lossless_streaming_equals_chunked_scoring():
     assert held == {"f32": 9 * kq.KVLayout(CONFIG, kq.get_kv_format("f32"), P).bytes_per_block}
 
 
-@pytest.mark.parametrize("fmt", ["int8", "kivi4", "fp8"])
-def test_streaming_compression_leaves_the_recent_window_in_full_precision(fmt):
+@pytest.mark.parametrize("fmt,compressed", [("int8", 6), ("kivi4-g16", 6), ("fp8", 6),
+                                            ("kivi4", 4)])
+def test_streaming_compression_leaves_the_recent_window_in_full_precision(fmt, compressed):
     policy = kq.CachePolicy(kv_format=fmt, keep_recent=16)
     got, held = kq.score_streaming(CONFIG, PARAMS, IDS, policy, block_size=P)
     want = kq.score(CONFIG, PARAMS, IDS, block_size=P)
     assert np.isfinite(got.nll).all() and not np.allclose(got.nll, want.nll)
     # The policy runs before each block attends: after the last block was written, the blocks
-    # wholly older than the 16 newest tokens of the 64 cached then are compressed (6 of 8).
+    # wholly older than the 16 newest tokens of the 64 cached then are compressed (6 of 8);
+    # kivi4's key groups of 32 tokens (4 blocks) are taken whole: blocks 0..3 only.
     full = kq.KVLayout(CONFIG, kq.get_kv_format("f32"), P).bytes_per_block
     comp = kq.KVLayout(CONFIG, kq.get_kv_format(fmt), P).bytes_per_block
-    assert held == {"f32": 3 * full, fmt: 6 * comp}
+    assert held == {"f32": (9 - compressed) * full, fmt: compressed * comp}
     # Positions inside the first block never saw a compressed key.
     np.testing.assert_allclose(got.nll[:P - 1], want.nll[:P - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_kivi_keeps_its_papers_window_unless_told_otherwise():
+    # kivi2's R = 128 exceeds the 70 tokens: every block stays in full precision.
+    got, held = kq.score_streaming(CONFIG, PARAMS, IDS, kq.CachePolicy(kv_format="kivi2"),
+                                   block_size=P)
+    full = kq.KVLayout(CONFIG, kq.get_kv_format("f32"), P).bytes_per_block
+    assert held == {"f32": 9 * full, "kivi2": 0}
+    np.testing.assert_allclose(got.nll, kq.score(CONFIG, PARAMS, IDS, block_size=P).nll,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_streaming_eviction_stays_within_the_budget():
