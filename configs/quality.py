@@ -30,6 +30,9 @@ EVICT_POLICIES = {"snapkv-avg": ("snapkv", {"pool": "avg"}),  # kvpress's poolin
 # Question-agnostic methods: observation window = the last W tokens before the question instead
 # of the last W of the prompt (kvpress's default; the same window on plain text).
 NO_QUESTION = ("snapkv-noq",)
+# Methods scoring the attention of every prompt query (recorded during the prefill; the others
+# read the observation window's, or none).
+PREFILL_MASS = ("h2o", "h2o-fixed")
 # Named variants of a published method (run beside it; no "global" rows of their own).
 VARIANTS_OF = {"kivi2-g16": "kivi2", "kivi4-g16": "kivi4", "h2o-fixed": "h2o",
                "snapkv-avg": "snapkv", "snapkv-noq": "snapkv"}

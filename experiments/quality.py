@@ -310,8 +310,11 @@ class Bench:
                             max_seqs=n, max_blocks_per_seq=width, num_tenants=n,
                             kv_format="f32",
                             compressed_pools=tuple((f, n * width) for f in formats))
+        # Decode steps record their attention (the observation windows); prefill chunks only
+        # in `_recorded_prefill` (H2O's accumulation over every query).
         self.engine = kq.PagedEngine(model_config, params, sc, chunk_size=p,
-                                     record_attention=True)
+                                     record_attention="decode")
+        self._h2o_base = None
         # Bytes of one block in each pool had pool 0 been bf16 (compressed pools: the same).
         self.pool_bytes_bf16 = np.asarray(
             dataclasses.replace(sc, kv_format="bf16").pool_bytes, np.int64)
@@ -361,7 +364,7 @@ class Bench:
             total += np.asarray(eng.last_mass, np.float64)
         return total.astype(np.float32), np.asarray(eng.last_mass)
 
-    def context_phase(self, hook=None):
+    def context_phase(self, hook=None, observe=None):
         """Prefill every context from an empty state, in block-sized chunks (the first block
         admitted, then `extend`), `hook(engine, rows)` before each chunk and once at the end
         (streaming compression). Leaves the state in the engine.
@@ -374,7 +377,9 @@ class Bench:
         SnapKV, kvpress's default; on plain text both are the same window). The windows' K/V
         come from the same chunked path as a streaming run's (so a streaming run with nothing
         to compress is the shared prefill, bit for bit). Returns the last step's attention
-        f32[n, L, Hkv, width] of the prompt's window (what TOVA scores)."""
+        f32[n, L, Hkv, width] of the prompt's window (what TOVA scores); None when not
+        `observe` (default: without a hook)."""
+        observe = hook is None if observe is None else observe
         eng, p, w = self.engine, self.preset.block_size, self.preset.window
         eng.state, eng.last_mass = branch(self.empty), None
         n = len(self.items)
@@ -392,17 +397,18 @@ class Bench:
         spans = [(np.full(n, p), asks - w), (asks - w, ends - w)] if questions else \
             [(np.full(n, p), ends - w)]
         for i, (lo, hi) in enumerate(spans):
-            if i and not hook:  # the state before the question-agnostic window
+            if i and observe:  # the state before the question-agnostic window
                 prefilled = eng.state
                 self.noq_mass, _ = self._observe(branch(prefilled), asks)
                 eng.state = prefilled
             tokens, lens = self._span(lo, hi)
             extend(eng, self.seqs, tokens, lengths=lens, before_chunk=hook)
-        observed = None if hook is not None else branch(eng.state)
+        observed = branch(eng.state) if observe else None
         window, _ = self._span(ends - w, ends)
         extend(eng, self.seqs, window, lengths=np.full(n, w, np.int32), before_chunk=hook)
         if hook is not None:  # what the continuation's first block will attend to
             hook(eng, self.seqs)
+        if not observe:
             return None
         prefilled = eng.state
         self.window_mass, last = self._observe(observed, ends)
@@ -410,6 +416,18 @@ class Bench:
             self.noq_mass = self.window_mass
         eng.state = prefilled
         return last
+
+    def _recorded_prefill(self):
+        """The same prefill (the same chunks, so the same K/V bit for bit) with the attention of
+        every prefill query recorded into the state, per layer and KV head: what H2O
+        accumulates (Zhang et al., 2023: every query so far; here the prompt's)."""
+        eng = self.engine
+        eng.record_attention = True
+        try:
+            self.context_phase(observe=False)
+        finally:
+            eng.record_attention = "decode"
+        return eng.state
 
     def prefill(self):
         """The shared prefill (no attention recorded: each condition records its observation
@@ -481,20 +499,24 @@ class Bench:
         kept = np.broadcast_to(mask, (len(self.seqs), m.num_layers, m.num_kv_heads,
                                       mask.shape[-1]))
         eng.state, _ = self.alloc.evict(eng.state, self.seqs, donate=True, **args)
-        self._check_survivors(kept)
+        self._check_survivors(kept, self._h2o_base if method in qc.PREFILL_MASS else self.base)
         return kept
 
-    def _check_survivors(self, kept):
+    def _pages(self, state):
+        """Host copies of a prefilled state's pool-0 K and V, read once per state."""
+        if self._base_pages is None or self._base_pages[0] is not state:
+            self._base_pages = (state, [np.asarray(a) for a in (state.pages[0].k,
+                                                                state.pages[0].v)])
+        return self._base_pages[1]
+
+    def _check_survivors(self, kept, source):
         """In every layer and KV head the evicted state holds exactly the K and V of the context
-        tokens the mask keeps for that head, in order."""
+        tokens the mask keeps for that head, in order (`source`: the state evicted from)."""
         p = self.preset.block_size
-        if self._base_pages is None:  # the prefilled state's pages, read once for every method
-            self._base_pages = [np.asarray(a) for a in (self.base.pages[0].k,
-                                                         self.base.pages[0].v)]
-        pages = self._base_pages
+        pages = self._pages(source)
         now = [np.asarray(a) for a in (self.engine.state.pages[0].k,
                                         self.engine.state.pages[0].v)]
-        tables = [np.asarray(st.seqs.block_tables)[self.seqs] for st in (self.base,
+        tables = [np.asarray(st.seqs.block_tables)[self.seqs] for st in (source,
                                                                            self.engine.state)]
         lens = np.asarray(self.engine.state.seqs.seq_lens)[self.seqs]
         for r in range(len(self.items)):
@@ -549,11 +571,20 @@ class Bench:
         if cond.variant == "streaming":
             hook = self._compress_hook(cond.method)
             self.context_phase(hook)
+        elif cond.method in qc.PREFILL_MASS:  # every prompt query's attention recorded
+            if self._h2o_base is None:
+                self._h2o_base = self._recorded_prefill()
+                # Its K/V come from the recording forward: equal to the base's up to rounding.
+                self.h2o_kv_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(
+                    self._pages(self._h2o_base), self._pages(self.base)))
+            eng.state, eng.last_mass = branch(self._h2o_base), self.last_mass
         else:  # the prefilled state, with the observation window's attention recorded
             mass = self.noq_mass if cond.method in qc.NO_QUESTION else self.window_mass
             eng.state, _ = self.alloc.record_attention(branch(self.base), self.seqs, mass,
                                                        donate=True)
             eng.last_mass = self.last_mass
+        if cond.method not in qc.PREFILL_MASS:  # the methods run in order: no longer needed
+            self._h2o_base = None
         if cond.method in qc.QUANT_METHODS:
             if cond.variant == "oneshot":
                 self._compress_hook(cond.method)(eng, self.seqs)
@@ -1118,7 +1149,7 @@ def measure(config: dict, add_point, progress: bool = True) -> tuple[dict, dict]
     work = [(name, c, t, items, conditions(preset, probes=name == "tasks"))
             for name, c, t, items in sets]
     total = sum(len(conds) + 1 for *_, conds in work)
-    points, skipped = [], {}
+    points, skipped, kv_diffs = [], {}, {}
     bar = tqdm(total=total, desc="quality", unit="run", file=sys.stderr, disable=not progress,
                mininterval=2.0)
     for name, c, t, items, conds in work:
@@ -1147,6 +1178,8 @@ def measure(config: dict, add_point, progress: bool = True) -> tuple[dict, dict]
                 points.append(point)
             timing[f"{name}{c}:{cond.key}_s"] = time.perf_counter() - t1
             bar.update()
+        if getattr(bench, "h2o_kv_diff", None) is not None:
+            kv_diffs[f"{name}@{c}"] = _r(bench.h2o_kv_diff, 12)
         del bench
     bar.close()
     summary = summarize(points, preset)
@@ -1158,6 +1191,9 @@ def measure(config: dict, add_point, progress: bool = True) -> tuple[dict, dict]
                          for name, c, _, items in sets if name == "tasks"
                          for k in dict.fromkeys(x.kind for x in items)}
     summary["weights"] = config["weights"]
+    # H2O's state is prefilled again with every query's attention recorded: its K/V match the
+    # shared prefill's up to this rounding (max |difference| over every page).
+    summary["h2o_prefill_kv_max_abs_diff"] = kv_diffs
     timing["total_s"] = time.perf_counter() - timing.pop("start")
     return summary, timing
 
