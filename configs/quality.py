@@ -168,7 +168,10 @@ PRESETS: dict[str, QualityPreset] = {p.name: p for p in (
                   budgets=(0.25, 0.5), task_probes=2, tiered_targets=(0.5,), streaming=False,
                   bootstrap=1000),
     # The sweep the lead runs (2K contexts only; sized for about 20 minutes on two cores).
-    QualityPreset(name="default", num_docs=8, min_docs=8, contexts=(2048,),
+    # 12 documents: the exact sign-flip test's smallest p is 2 / 2**n, and Holm over the 36
+    # pairs of 9 eviction methods needs 36 x 2 / 2**n < 0.05, so n >= 11 (4 documents, the
+    # quick preset's, can never reach p < 0.125).
+    QualityPreset(name="default", num_docs=12, min_docs=12, contexts=(2048,),
                   continuation_tokens=64, budgets=(0.125, 0.25, 0.5), task_probes=4,
                   tiered_targets=(0.5,), streaming=False),
     # The paper's design: >= 64 documents per source, >= 100 probes per task kind, 2K and 8K

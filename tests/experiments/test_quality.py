@@ -358,7 +358,7 @@ def test_documents_are_disjoint_windows_spread_over_the_text():
     assert starts == [0, 468, 936]
     assert all(d.context + d.continuation == ids[s:s + 64] for d, s in zip(docs, starts))
     assert all(d.source == "t" and d.observe_at == 48 for d in docs)
-    with pytest.raises(ValueError, match="needs at least 8"):
+    with pytest.raises(ValueError, match="needs at least 12"):
         q.documents(ids, qc.get_quality_preset("default"), "t", 2048)
 
 
