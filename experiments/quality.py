@@ -936,9 +936,11 @@ def _pareto(plt, metrics, rows, colors, path):
         ax.scatter([r["bytes_kept_bf16"]], [r.get("recompute_tokens") or 0.0], s=50,
                    color=colors[r["method"]], marker="s", zorder=3)
         fates = ", ".join(f"{k}: {v}" for k, v in (r.get("fates") or {}).items())
-        ax.annotate(f"quota {r['budget']:g}\n{fates}\ndelta_ppl {r['delta_ppl']:.3g}",
+        ax.annotate(f"quota {r['budget']:g}: {fates}\ndelta_ppl {r['delta_ppl']:.3g}",
                     (r["bytes_kept_bf16"], r.get("recompute_tokens") or 0.0), fontsize=6.5,
-                    xytext=(6, 6), textcoords="offset points")
+                    xytext=(6, -14), textcoords="offset points")
+    ax.set_xlim(-0.05, 1.05)
+    ax.margins(y=0.25)
     ax.set_xlabel("bytes kept, fraction of a bf16 cache")
     ax.set_ylabel("tokens recomputed on resume per document")
     ax.set_title("tiered reclaim: preemption is lossless,\nits price is recompute")
@@ -969,10 +971,12 @@ def _tasks_plot(plt, metrics, colors, path):
         acc = full[k]["accuracy"]
         ax.hlines(acc, i - 0.45, i + 0.45, colors="k", lw=2,
                   label="full cache" if i == 0 else None)
+        ax.text(i, -0.09, f"full cache {acc:.2f}", ha="center", fontsize=7)
         if not full[k]["ranked"]:
             ax.axvspan(i - 0.5, i + 0.5, color="grey", alpha=0.2, lw=0)
             ax.text(i, 1.02, "not ranked:\nfull cache < 0.5", ha="center", fontsize=7)
     ax.set_xticks(range(len(kinds)), kinds, fontsize=8)
+    ax.tick_params(axis="x", pad=14)
     ax.set_ylim(0, 1.15)
     ax.set_ylabel("accuracy (every answer token top-1)")
     ax.set_title("RULER-style tasks, question inside the context; eviction at budget 0.5")
@@ -995,8 +999,8 @@ def _kept_attention_plot(plt, points, path, target=0.5):
     budgets = sorted({p["budget"] for p in text})
     budget = min(budgets, key=lambda b: (abs(b - target), b))
     names = list(dict.fromkeys(p["method"] for p in text))
-    fig, axes = plt.subplots(len(names), 1, figsize=(10, 0.9 + 0.75 * len(names)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 1.2 + 0.9 * len(names)),
+                             squeeze=False, sharex=True, constrained_layout=True)
     for ax, name in zip(axes[:, 0], names):
         mine = [np.asarray(p["kept_attention"], np.float64) for p in text
                 if p["method"] == name and p["budget"] == budget and p["context"] == first]
@@ -1004,14 +1008,16 @@ def _kept_attention_plot(plt, points, path, target=0.5):
         im = ax.imshow(share, aspect="auto", vmin=0, vmax=1, cmap="viridis",
                        interpolation="nearest")
         ax.set_yticks(range(share.shape[0]))
-        ax.set_ylabel(f"{name}\nKV head", fontsize=7)
+        ax.set_ylabel("KV head", fontsize=7)
         ax.tick_params(labelsize=6)
-        ax.set_title(f"{name}: mean share kept {share.mean():.3f}", fontsize=7, loc="left")
+        ax.text(1.01, 0.5, f"{name}\nmean {share.mean():.3f}", transform=ax.transAxes,
+                fontsize=7, va="center")
     axes[-1, 0].set_xlabel("layer")
-    fig.colorbar(im, ax=axes[:, 0], fraction=0.02, label="share of the layer-head's future "
-                 "attention on kept tokens")
+    axes[-1, 0].set_xticks(range(share.shape[1]))
+    fig.colorbar(im, ax=axes[:, 0], fraction=0.02, pad=0.12, label="share of the layer-head's "
+                 "future attention on kept tokens")
     fig.suptitle(f"attention kept per layer and KV head, eviction at budget {budget:g} "
-                 f"(first {MASS_STEPS} continuation tokens)", fontsize=9)
+                 f"(first {MASS_STEPS} continuation tokens, mean over documents)", fontsize=9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
