@@ -141,8 +141,8 @@ def documents(ids, preset: qc.QualityPreset, source: str, context: int) -> list[
 def task_items(tok, filler, preset: qc.QualityPreset, context: int) -> list[Item]:
     """`task_probes` RULER-style probes of each task kind of `context` tokens (the question
     inside the context), on `filler` token ids."""
-    probes = tasks.make_probes(preset.task_kinds, preset.task_probes, tok.encode, filler,
-                               context, preset.seed)
+    probes = tasks.make_probes(preset.task_kinds, preset.task_probes, tok, filler, context,
+                               preset.seed)
     return [Item(p.kind, i, [int(x) for x in p.context], [int(x) for x in p.continuation],
                  p.scored[1:].copy(), depth=p.depths[0] if p.depths else None,
                  answer=p.answer, needle=p.needle, question_at=p.question_at)

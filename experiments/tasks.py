@@ -94,30 +94,38 @@ def _place(filler, statements, length, question, rng):
             tuple(placed))
 
 
-def _statement(enc, head, value, tail):
-    """(tokens of head + value + tail, indices of the value's tokens)."""
-    a, v, b = enc(head), enc(value), enc(tail)
-    return a + v + b, list(range(len(a), len(a) + len(v)))
+def _visible(tok, ids) -> list[bool]:
+    """Which tokens show a character (a token of spaces alone is not part of an answer: the
+    model may as well put a newline there)."""
+    return [bool(tok.decode([t]).strip()) for t in ids]
 
 
-def _answer(enc, lead, values, sep=""):
+def _statement(tok, head, value, tail):
+    """(tokens of head + value + tail, indices of the value's visible tokens)."""
+    a, v, b = tok.encode(head), tok.encode(value), tok.encode(tail)
+    return a + v + b, [len(a) + j for j, shown in enumerate(_visible(tok, v)) if shown]
+
+
+def _answer(tok, lead, values, sep=""):
     """(continuation tokens, scored mask): the lead, then each value (the same tokens as where
-    the context states it) joined by `sep`."""
-    tokens, mask = list(enc(lead)), [False] * len(enc(lead))
+    the context states it; its visible ones scored) joined by `sep`."""
+    tokens = list(tok.encode(lead))
+    mask = [False] * len(tokens)
     for i, v in enumerate(values):
         if i and sep:
-            s = enc(sep)
+            s = tok.encode(sep)
             tokens += s
             mask += [False] * len(s)
-        t = enc(v)
+        t = tok.encode(v)
         tokens += t
-        mask += [True] * len(t)
+        mask += _visible(tok, t)
     return tokens, np.array(mask, bool)
 
 
-def make_probe(kind: str, enc, filler, length: int, rng) -> Probe:
-    """One probe of `kind` of `length` context tokens; `enc(str) -> list[int]` (the tokenizer),
+def make_probe(kind: str, tok, filler, length: int, rng) -> Probe:
+    """One probe of `kind` of `length` context tokens; `tok` the tokenizer (encode, decode),
     `filler` token ids, `rng` a numpy Generator (everything drawn from it)."""
+    enc = tok.encode
     keys = [str(k) for k in rng.choice(KEYS, 4, replace=False)]
     if kind in ("single_needle", "multikey_needle", "multivalue"):
         n_keys, n_values = {"single_needle": (1, 1), "multikey_needle": (4, 1),
@@ -126,11 +134,12 @@ def make_probe(kind: str, enc, filler, length: int, rng) -> Probe:
         order = rng.permutation(len(pairs))  # the asked key is not always the first stated
         pairs = [pairs[i] for i in order]
         asked = keys[0]
-        statements = [_statement(enc, f"\nOne of the special magic numbers for {k} is:",
+        statements = [_statement(tok, f"\nOne of the special magic numbers for {k} is:",
                                  f" {v}", ".\n") for k, v in pairs]
         what = "numbers" if n_values > 1 else "number"
-        question = enc(f"\nWhat {'are all the special magic numbers' if n_values > 1 else 'is the special magic number'}"
-                       f" for {asked} mentioned in the provided text?")
+        asks = "are all the special magic numbers" if n_values > 1 else \
+            "is the special magic number"
+        question = enc(f"\nWhat {asks} for {asked} mentioned in the provided text?")
         values = [f" {v}" for k, v in pairs if k == asked]
         lead = f"\nThe special magic {what} for {asked} mentioned in the provided text:"
         sep = ","
@@ -138,8 +147,8 @@ def make_probe(kind: str, enc, filler, length: int, rng) -> Probe:
     elif kind == "variable_tracking":
         value = _number(rng)
         names = [f"X{int(x)}" for x in rng.choice(np.arange(10, 100), 5, replace=False)]
-        statements = [_statement(enc, "\nVAR", f" {names[0]}", f" = {value}\n")]
-        statements += [_statement(enc, "\nVAR", f" {b}", f" = {a}\n")
+        statements = [_statement(tok, "\nVAR", f" {names[0]}", f" = {value}\n")]
+        statements += [_statement(tok, "\nVAR", f" {b}", f" = {a}\n")
                        for a, b in zip(names, names[1:])]
         question = enc(f"\nQuestion: Find all variables that are assigned the value {value} "
                        "in the text above.")
@@ -148,21 +157,22 @@ def make_probe(kind: str, enc, filler, length: int, rng) -> Probe:
         sep = ""
         keep = list(range(len(statements)))
     elif kind == "common_words":
-        return _common_words(enc, length, rng)
+        return _common_words(tok, length, rng)
     else:
         raise ValueError(f"unknown task kind {kind!r}")
     context, spans, depths, question_at, placed = _place(filler, statements, length,
                                                          question, rng)
     needle = tuple(j for s in keep for j in spans[s])  # the asked statements' answer tokens
-    continuation, scored = _answer(enc, lead, values, sep)
+    continuation, scored = _answer(tok, lead, values, sep)
     return Probe(kind, context, continuation, scored, needle, question_at, depths,
                  "".join(values).strip(), placed)
 
 
-def _common_words(enc, length, rng) -> Probe:
+def _common_words(tok, length, rng) -> Probe:
     """A numbered word list of at most `length` tokens with the question (short by less than
     one entry): ten common words r >= 3 times each (the largest r that fits), then as many
     rare words, once each, as still fit (at most 30), in a random order."""
+    enc = tok.encode
     words = [str(w) for w in rng.permutation(WORDS)]
     common, rare = words[:10], words[10:]
     question = enc("\nQuestion: What are the 10 most common words in the above list?")
@@ -190,16 +200,16 @@ def _common_words(enc, length, rng) -> Probe:
     question_at = len(context)
     context += question
     seen = list(dict.fromkeys(w for w in seq if w in common))
-    continuation, scored = _answer(enc, lead, [f" {w}" for w in seen], ",")
+    continuation, scored = _answer(tok, lead, [f" {w}" for w in seen], ",")
     return Probe("common_words", context, continuation, scored, (), question_at, (),
                  ",".join(seen))
 
 
-def make_probes(kinds, per_kind: int, enc, filler, length: int, seed: int) -> list[Probe]:
+def make_probes(kinds, per_kind: int, tok, filler, length: int, seed: int) -> list[Probe]:
     """`per_kind` probes of each kind, drawn from one seeded generator per kind and length (a
     kind's probes do not change when another kind is added)."""
     out = []
     for k, kind in enumerate(kinds):
         rng = np.random.default_rng([seed, length, k])
-        out += [make_probe(kind, enc, filler, length, rng) for _ in range(per_kind)]
+        out += [make_probe(kind, tok, filler, length, rng) for _ in range(per_kind)]
     return out
