@@ -11,8 +11,8 @@ whole model (L = Hkv = 1) the same rule reads the summed statistics.
 * SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"):
   the observation window's attention pooled over neighbouring tokens (max-pool of width
   `kernel` as in the paper's LongBench setting, or kvpress's average) so clusters survive
-  together. The attention is the state's accumulated mass (what the caller recorded, e.g. the
-  window run as decode steps).
+  together. The attention is the state's accumulated mass: what the caller recorded, e.g. the
+  prompt's body unrecorded, then its last W tokens (the window) with recording on.
 * TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"): keep the tokens the last query
   attends to most, per layer with the layer's heads averaged (needs the last step's attention).
 * Key norm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
