@@ -7,9 +7,10 @@
    cannot import, or any other warning pdoc gives, fails the build.
 2. The references: in README.md, CHANGELOG.md, docs/*.md and every results/**/README.md,
    each relative Markdown link must name a file or directory that exists (and, for a `.md`
-   target with `#anchor`, a heading of it), and each code reference to the API written
-   `kq.Name.attr` or `kvquota.module.Name` in backticks must resolve by import. Broken
-   references are listed, one a line, and the build exits 1.
+   target with `#anchor`, a heading of it); there and in the docstrings and comments of the
+   Python sources, each code reference to the API written `kq.Name.attr` or
+   `kvquota.module.Name` in backticks must resolve by import. Broken references are listed,
+   one a line, and the build exits 1.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def define_flags() -> None:
 
 
 def documents(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
-    """The Markdown files whose references are checked."""
+    """The Markdown files and Python sources whose references are checked."""
     found = [root / "README.md", root / "CHANGELOG.md", *sorted((root / "docs").glob("*.md")),
              *sorted((root / "results").glob("**/README.md"))]
+    found += [p for package in (*MODULES, "experiments")
+              for p in sorted((root / package).rglob("*.py"))]
     return [p for p in found if p.exists()]
 
 
@@ -71,10 +74,12 @@ def resolves(name: str) -> bool:
 
 
 def broken_references(paths) -> list[str]:
-    """Every broken link or code reference in `paths`, as `file:line: what`."""
+    """Every broken link (Markdown files) or code reference in `paths`, as `file:line: what`."""
     problems = []
     for path in paths:
         text = path.read_text()
+        if path.suffix == ".py":
+            text = re.sub(r"\[[^\]]*\]\(", "", text)  # no Markdown links in Python sources
         prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
         for lineno, line in enumerate(prose.splitlines(), 1):
             where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{lineno}"

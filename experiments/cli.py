@@ -214,7 +214,10 @@ def define_kv_format(default: str, allowed: Sequence[str] | None = None, refused
 
 
 def define_progress() -> None:
-    """--progress (on; --noprogress turns it off): progress of long work on stderr."""
+    """--progress (on; --noprogress turns it off): progress of long work on stderr. A program
+    that defined its own --progress first (with its own help) keeps it."""
+    if "progress" in FLAGS:
+        return
     flags.DEFINE_boolean("progress", True, "Show the progress of long work on stderr "
                          "(--noprogress: quiet).", module_name=_main_module())
 
@@ -283,8 +286,9 @@ def int_list(name: str) -> list[int]:
 
 PACKAGED_WEIGHTS = ("smollm2-135m",)  # presets kq.load_pretrained finds without a path
 def define_model_source(default_format: str = "f32") -> None:
-    """--model, --weights, --kv_format and the cache-policy flags of a program that runs a
-    model on the paged cache."""
+    """--model, --weights, --kv_format, the cache-policy flags and --progress of a program that
+    runs a model on the paged cache."""
+    define_progress()
     define_model(extra_help=f"Weights ship only for {', '.join(PACKAGED_WEIGHTS)}; other "
                             "presets need --weights.")
     flags.DEFINE_string(

@@ -44,6 +44,7 @@ def define_flags():
     flags.DEFINE_integer("max_new_tokens", 40, "Tokens generated per request at most.",
                          lower_bound=1, upper_bound=MAX_NEW_TOKENS)
     cli.define_json("Print the results as one JSON object.")
+    cli.define_progress()
 
 
 def _ledger_rows(engine) -> list[dict]:
@@ -66,6 +67,7 @@ def run(max_new_tokens: int = 40, verbose: bool = True) -> dict:
     """Runs the demo; returns what it printed, as data."""
     say = print if verbose else (lambda *a, **k: None)
     start = time.perf_counter()
+    cli.stage("loading SmolLM2-135M")
     config, params = kq.load_smollm2()
     tok = kq.from_gguf(kq.smollm2_gguf_path())
     state_config = kq.StateConfig(model=config, num_blocks=128, block_size=16, max_seqs=8,
@@ -104,6 +106,7 @@ def run(max_new_tokens: int = 40, verbose: bool = True) -> dict:
                 "finish": out.finish, "answer": answer})
         return outs
 
+    cli.stage("serving the requests (step 1: acme; step 2: globex and initech)")
     say("\nstep 1: acme's request fills the prefix cache")
     (acme,) = serve([0])
     say("\nstep 2: globex (same salt) and initech (private) arrive together")

@@ -54,7 +54,9 @@ def run(model: str, prompt: str, max_new_tokens: int, *, chat: bool = False, wei
         raise cli.BadInput(f"the prompt ({len(ids):,} tokens) plus --max_new_tokens="
                            f"{max_new_tokens:,} exceed {model}'s context of "
                            f"{preset.max_context:,} tokens")
+    cli.stage(f"loading {model}")
     config, params = kq.load_pretrained(model, weights_path)
+    cli.stage(f"generating up to {max_new_tokens} tokens after a prompt of {len(ids)}")
     if policy.lossless:
         out = kq.generate(config, params, [ids], max_new_tokens, sampling=sampling,
                           stop_ids=tok.stop_ids(), kv_format=pool0)[0]

@@ -68,7 +68,9 @@ def run(model: str, text: str, max_tokens: int, *, weights_path=None, chunk_size
                                      block_size)
     tok = kq.load_tokenizer(model, weights_path)
     ids = token_ids(tok, text, max_tokens, kq.get_model_config(model), source)
+    cli.stage(f"loading {model}")
     config, params = kq.load_pretrained(model, weights_path)
+    cli.stage(f"scoring {len(ids)} tokens")
     start = time.perf_counter()
     if policy.lossless:  # every position in full precision: chunked prefill
         result = kq.score(config, params, ids, chunk_size=chunk_size, block_size=block_size,

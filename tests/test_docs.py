@@ -26,3 +26,12 @@ def test_broken_references_are_found_and_good_ones_pass(tmp_path):
         "other.md#no-such-heading", "link to a missing file: nowhere.png",
         "`kq.Allocator.no_such_method` does not resolve"]
     assert all(p.startswith(f"{bad}:") for p in problems)
+
+
+def test_python_sources_are_checked_for_api_names_only(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text('"""Calls `kq.Allocator.admit`, not `kq.Allocator.admits`."""\n'
+                      "x = table[i](j)  # [not a link](nowhere.md)\n")
+    assert [p.split(": ", 1)[1] for p in build.broken_references([source])] == [
+        "`kq.Allocator.admits` does not resolve"]
+    assert any(p.suffix == ".py" for p in build.documents())
