@@ -1,46 +1,42 @@
 r"""The quality cost of every lossy reclaim means, against the bytes it really frees.
 
-    python -m experiments.quality --json                          # the default sweep
+    python -m experiments.quality --preset=quick --json           # ~5 min on 2 cores
     python -m experiments.quality --preset=quick --text_file=F    # any text of >= 500 tokens
     python -m experiments.quality --model=qwen2.5-0.5b --model_dir=DIR   # a Qwen2 checkpoint
 
-Protocol (the clean one of the KV-compression literature, as kvpress runs it): the documents'
-contexts (C tokens each) are prefilled once into one paged state, one sequence and one tenant
-per document (so the ledger gives each document's bytes), in chunks of one block; the last W
-tokens (the window) also run as decode steps on a copy of the state, and the attention those
-steps gave each cached token (the kernels' mass output) is recorded into the prefilled state:
-what H2O, SnapKV and TOVA score. Every condition then starts from a copy of that same state
-(`kq.serving.branch`: one copy, after which every op donates), applies one means at one budget
-to all documents at once,
-and teacher-forces the next T tokens (`kq.serving.extend`, one block per chunk); its next-token
-distributions are compared with those of the untouched cache on the same tokens. The untouched
-cache is also run as a condition (`none`): its differences must be exactly 0. Quantizers also
-run "streaming": compressing as the cache fills, before each block attends (the context is
-prefilled again for them, through the same code path as the shared prefill).
+Protocol (the clean one of the KV-compression literature, as kvpress runs it; docs/quality.md):
+per context length C, the documents of every text source and the RULER-style task probes
+(experiments/tasks.py, the question at the end of the context) are prefilled once into a paged
+state, one sequence and one tenant per row (so the ledger gives each row's bytes), in chunks of
+one block. The observation windows run as decode steps on copies of the state: the prompt's
+last W tokens (SnapKV, TOVA's last query) and, on probes, the W tokens before the question
+(snapkv-noq); H2O's state is prefilled again recording every prompt query's attention. Every
+condition starts from a copy (`kq.serving.branch`; every op then donates), applies one means at
+one budget to all rows at once, and teacher-forces the next T tokens (`kq.serving.extend`); its
+next-token distributions are compared with the untouched cache's on the same tokens. The
+untouched cache runs as a condition too (`none`): its differences must be exactly 0.
 
-Methods: fp8, int8, int4, kivi2, kivi4 (every full block outside the W-token full-precision
-window compressed; one row each, `budget_fraction` = cache bytes kept), streamingllm, h2o,
-snapkv, tova, knorm, random (token eviction to `budget` x C kept tokens, the window always
-kept, each layer and KV head choosing its own tokens, as the papers and kvpress do) and tiered (the reclaim planner's tiered order under a byte-quota cut of each document's
-tenant to `budget` x its bytes; a preempted document is recomputed on resume: lossless).
+Methods (configs/quality.py): quantizers (one row each, every whole block outside the format's
+full-precision window compressed: KIVI's R = 128, else W), token eviction to `budget` x C kept
+tokens per layer and KV head (the window always kept; variant "global": one set for the whole
+model), and tiered (the reclaim planner under a byte-quota cut; a preempted row is recomputed
+on resume: lossless, priced in recompute tokens). Published methods have the plain names,
+this project's earlier rules are named variants beside them.
 
-Metrics per document: delta_ppl = ppl_modified - ppl_full, delta_ppl_rel = delta / ppl_full (a
-fraction), KL(full || modified) of the next-token distributions (mean, p90, p99 over the T - 1
-predicted tokens), top-1 agreement, and the fraction of the full cache's attention over the first
-MASS_STEPS = 32 continuation tokens (decode-step mass, every layer and KV head) that fell on the
-tokens a method removed from that head (`removed_mass`) or compressed (`compressed_mass`).
-Retrieval probes run on a second state: a pass key hidden at several depths of pydoc filler and
-asked for at the end, and a multi-turn chat whose first turn states a fact asked for in the
-last; a probe is retrieved when every answer token is the modified model's top-1, and
-`answer_kept` is the share of (layer, KV head) pairs still holding every token of the answer
-where the context states it. Bytes freed are each tenant's device bytes in the
-ledger before minus after the means; means carry 95 % bootstrap intervals over documents.
+Metrics per document: delta_ppl, delta_ppl_rel, KL(full || modified) (mean, p90, p99), top-1
+agreement, the share of the full cache's attention over the first MASS_STEPS continuation
+tokens on removed / compressed tokens, and per (layer, KV head) on kept ones; bytes freed from
+the ledger and bytes kept as a fraction of a bf16 cache (block counts x each format's bytes,
+checked against the ledger). Per probe: retrieved (every visible answer token top-1) and
+`answer_kept` (the share of (layer, KV head) pairs holding every answer token). Summary: means
+with 95 % bootstrap intervals, paired differences between methods (bootstrap interval, exact or
+sampled sign-flip p, Holm over each family), the task table with the full cache's accuracy.
 
 Output: a run directory (experiments/runs.py) with config.json, points.jsonl (one object per
-document or probe x method x budget), metrics.json (per method x budget, no timings: a rerun
-with the same seed is byte-identical), quality.csv, pareto.png, retrieval_depth.png,
-kl_distributions.png (drawn from those files only) and timing.json. --out_dir also copies
-them, with command.txt, to a results directory. Flags are checked before the weights load.
+row x condition), metrics.json (no timings: a rerun with the same seed is byte-identical),
+quality.csv, pareto.png, tasks.png, kept_attention.png, kl_distributions.png (drawn from those
+files only) and timing.json. --out_dir also copies them, with command.txt, to a results
+directory. Flags are checked before the weights load.
 """
 
 from __future__ import annotations
