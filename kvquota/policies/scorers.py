@@ -6,9 +6,11 @@ whole model (L = Hkv = 1) the same rule reads the summed statistics.
   keep the first `sinks` tokens and the most recent ones.
 * H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle"): keep the tokens with the largest
   accumulated attention, plus a recent window.
-* SnapKV (Li et al., 2024): attention pooled over neighbouring tokens (max-pool of width
-  `kernel`) so clusters survive together. Here the attention is the state's accumulated decode
-  mass, not a prefill observation window.
+* SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"):
+  the observation window's attention pooled over neighbouring tokens (max-pool of width
+  `kernel` as in the paper's LongBench setting, or kvpress's average) so clusters survive
+  together. The attention is the state's accumulated mass (what the caller recorded, e.g. the
+  window run as decode steps).
 * TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"): keep the tokens the last query
   attends to most, per layer with the layer's heads averaged (needs the last step's attention).
 * Key norm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
@@ -23,6 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kvquota.errors import InvalidArgumentError
 from kvquota.policies.base import EvictionPolicy, TokenView
 
 
@@ -47,19 +50,50 @@ class H2O(EvictionPolicy):
         return view.mass
 
 
+SNAPKV_POOLS = ("max", "avg")
+
+
 @dataclasses.dataclass(frozen=True)
 class SnapKV(EvictionPolicy):
+    """SnapKV's rule: each token's attention mass from the observation window, pooled over
+    `kernel` neighbouring tokens (stride 1, `kernel // 2` padding on the left) so clusters
+    survive together, per layer and KV head. The observation window is the `recent` window (always
+    kept); the pooled sequence is the prefix before it, padded past both of its ends, as in the
+    paper's code and kvpress (scores in the window are +inf, like kvpress's max + 1).
+
+    pool "max": max-pooling, padding ignored (the paper's LongBench setting, the default); "avg":
+    the mean over all `kernel` places, padding counted as zero (kvpress: torch's avg_pool1d with
+    count_include_pad). The mass is already summed over the query heads of each KV head's group
+    (kvpress pools each query head, then averages the group: the same ranking for "avg", not
+    exactly for "max")."""
+
     name = "snapkv"
     reads_mass = True
     kernel: int = 7
+    pool: str = "max"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.kernel, int) or isinstance(self.kernel, bool) or self.kernel < 1:
+            raise InvalidArgumentError(f"snapkv: kernel must be an integer >= 1, got "
+                                       f"{self.kernel!r}")
+        if self.pool not in SNAPKV_POOLS:
+            raise InvalidArgumentError(f"snapkv: pool must be one of {SNAPKV_POOLS}, got "
+                                       f"{self.pool!r}")
 
     def score(self, view: TokenView):
         pad = self.kernel // 2
-        m = jnp.where(view.valid, view.mass, -jnp.inf)
-        pooled = jax.lax.reduce_window(m, -jnp.inf, jax.lax.max, (1, 1, 1, self.kernel),
-                                       (1, 1, 1, 1),
-                                       [(0, 0)] * 3 + [(pad, self.kernel - 1 - pad)])
-        return jnp.where(view.valid, pooled, 0.0)
+        window = [(0, 0)] * 3 + [(pad, self.kernel - 1 - pad)]
+        prefix = view.index < (view.lengths - self.recent)[:, None, None, None]
+        if self.pool == "max":
+            m = jnp.where(prefix, view.mass, -jnp.inf)
+            pooled = jax.lax.reduce_window(m, -jnp.inf, jax.lax.max, (1, 1, 1, self.kernel),
+                                           (1, 1, 1, 1), window)
+        else:
+            m = jnp.where(prefix, view.mass, 0.0)
+            pooled = jax.lax.reduce_window(m, 0.0, jax.lax.add, (1, 1, 1, self.kernel),
+                                           (1, 1, 1, 1), window) / self.kernel
+        return jnp.where(prefix, pooled, jnp.where(view.valid, jnp.inf, 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
