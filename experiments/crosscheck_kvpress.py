@@ -63,7 +63,7 @@ class Method:
 
     recent: int
     options: tuple = ()
-    kvpress_tie: str = "torch.topk's order (unspecified; on CPU the lower index in practice)"
+    kvpress_tie: str = "torch.topk's order among equal scores (unspecified by torch)"
 
 
 METHODS = {
@@ -132,24 +132,47 @@ def compare(ours_kept, theirs_kept, theirs_scores, ours_nll, theirs_nll) -> dict
     }
 
 
-def disagreement_detail(ours_kept, theirs_kept, theirs_scores, max_items: int = 5):
-    """The (document, layer, head) triples whose kept sets differ: how many, whether in every
-    one kvpress scored the positions only we kept exactly as those only it kept (a tie at the
-    budget's edge, resolved by each side's tie rule), and the first `max_items` with those
-    positions and kvpress's scores of them."""
+def disagreement_detail(ours_kept, theirs_kept, theirs_scores, ours_scores=None,
+                        max_items: int = 5) -> dict:
+    """The (document, layer, head) triples whose kept sets differ: how many; whether in each
+    kvpress scored the positions only we kept exactly as those only it kept (`all_ties`: a tie
+    at the budget's edge, which each side's tie rule resolves); with our scores of the same
+    rule (f32[n, L, Hkv, C], when given), whether each swap lies within the two sides' score
+    difference in that head (`all_within_noise`: kvpress's gap between the swapped positions at
+    most the largest |ours - kvpress| there, a near-tie that f32 rounding decides); and the
+    first `max_items` with those positions and scores."""
     rows = list(zip(*np.nonzero(np.any(ours_kept != theirs_kept, axis=-1))))
-    ties, first = True, []
+    ties = noise = True
+    first = []
     for doc, layer, head in rows:
         a, b = ours_kept[doc, layer, head], theirs_kept[doc, layer, head]
         s = theirs_scores[doc, layer, head]
         only_ours, only_theirs = np.flatnonzero(a & ~b), np.flatnonzero(b & ~a)
-        ties &= bool(np.array_equal(np.sort(s[only_ours]), np.sort(s[only_theirs])))
+        gap = float(np.max(np.abs(np.sort(s[only_ours]) - np.sort(s[only_theirs]))))
+        ties &= gap == 0.0
+        item = {"doc": int(doc), "layer": int(layer), "head": int(head),
+                "only_ours": only_ours.tolist(), "only_kvpress": only_theirs.tolist(),
+                "kvpress_scores_only_ours": s[only_ours].tolist(),
+                "kvpress_scores_only_kvpress": s[only_theirs].tolist(), "kvpress_gap": gap}
+        if ours_scores is not None:
+            o = ours_scores[doc, layer, head]
+            item["score_noise"] = float(np.max(np.abs(o - s)))
+            noise &= gap <= item["score_noise"]
         if len(first) < max_items:
-            first.append({"doc": int(doc), "layer": int(layer), "head": int(head),
-                          "only_ours": only_ours.tolist(), "only_kvpress": only_theirs.tolist(),
-                          "kvpress_scores_only_ours": s[only_ours].tolist(),
-                          "kvpress_scores_only_kvpress": s[only_theirs].tolist()})
-    return {"count": len(rows), "all_ties": ties if rows else None, "first": first}
+            first.append(item)
+    return {"count": len(rows), "all_ties": ties if rows else None,
+            "all_within_noise": noise if rows and ours_scores is not None else None,
+            "first": first}
+
+
+def key_norms(state, seq_ids, context: int) -> np.ndarray:
+    """f32[n, L, Hkv, C]: the L2 norm of each cached key (pool 0's pages through the block
+    tables) of the first `context` tokens: knorm's statistic, read from our cache."""
+    k = np.asarray(state.pages[0].k)  # [L, Hkv, blocks, block_size, D]
+    p = k.shape[3]
+    tables = np.asarray(state.seqs.block_tables)[seq_ids]
+    i = np.arange(context)
+    return np.stack([np.linalg.norm(k[:, :, t[i // p], i % p], axis=-1) for t in tables])
 
 
 # ---- the two sides ------------------------------------------------------------------------------
@@ -170,9 +193,9 @@ def run_kvpress(python: str, request: dict, workdir: pathlib.Path) -> tuple[dict
     return arrays, json.loads(out.with_suffix(".json").read_text())
 
 
-def our_side(config: dict, docs: list, preset) -> tuple[dict, np.ndarray]:
+def our_side(config: dict, docs: list, preset) -> tuple[dict, np.ndarray, np.ndarray]:
     """Our engine on the same documents: {condition key: (kept bool[n, L, Hkv, C], -log p
-    [n, T - 1])} and the full cache's -log p [n, T - 1]."""
+    [n, T - 1])}, the full cache's -log p [n, T - 1] and its key norms f32[n, L, Hkv, C]."""
     model_config, params = kq.load_pretrained(config["model"])
     bench = quality.Bench(model_config, params, docs, preset, preset.context_tokens,
                           quality.table_width(docs, preset))
@@ -195,7 +218,7 @@ def our_side(config: dict, docs: list, preset) -> tuple[dict, np.ndarray]:
             logits = kq.serving.extend(eng, bench.seqs, bench.cont, lengths=bench.cont_len)
             _, nll, _ = bench._host_metrics([quality._log_softmax(x) for x in logits])
             out[key(name, budget)] = (kept, nll[:, :t - 1])
-    return out, bench.ref[1][:, :t - 1]
+    return out, bench.ref[1][:, :t - 1], key_norms(bench.base, bench.seqs, c)
 
 
 def key(method: str, budget: float) -> str:
@@ -225,7 +248,7 @@ def measure(config: dict, add_point) -> dict:
                "methods": config["methods"], "budgets": config["budgets"]}
     with tempfile.TemporaryDirectory() as tmp:
         theirs, record = run_kvpress(config["kvpress_python"], request, pathlib.Path(tmp))
-    ours, ours_full = our_side(config, docs, preset)
+    ours, ours_full, norms = our_side(config, docs, preset)
     full = {"ppl_ours": [float(x) for x in perplexity(ours_full)],
             "ppl_kvpress": [float(x) for x in perplexity(theirs["full/nll"])]}
     full["ppl_rel_diff"] = [o / k - 1.0 for o, k in zip(full["ppl_ours"], full["ppl_kvpress"])]
@@ -236,8 +259,9 @@ def measure(config: dict, add_point) -> dict:
             kept, nll = ours[k]
             row = compare(kept, theirs[f"{k}/kept"], theirs[f"{k}/scores"], nll,
                           theirs[f"{k}/nll"])
-            row["differing"] = disagreement_detail(kept, theirs[f"{k}/kept"],
-                                                   theirs[f"{k}/scores"])
+            row["differing"] = disagreement_detail(
+                kept, theirs[f"{k}/kept"], theirs[f"{k}/scores"],
+                -norms if name == "knorm" else None)  # the one score we read back
             row["within_target"] = abs(row["ppl_rel_diff_of_means"]) <= TARGET_PPL_REL
             results[k] = row
             for d in range(len(docs)):

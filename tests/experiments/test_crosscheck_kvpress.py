@@ -68,11 +68,12 @@ def test_compare_sees_kvpress_ties_resolved_another_way():
     assert row["kvpress_ties_matter"] and row["agreement_by_scores"]["exact"] == 0.0
     later = xc.topk_later_first(scores, 2)
     assert xc.disagreement_detail(later, earlier, scores) == {
-        "count": 1, "all_ties": True, "first": [
+        "count": 1, "all_ties": True, "all_within_noise": None, "first": [
             {"doc": 0, "layer": 0, "head": 0, "only_ours": [2], "only_kvpress": [1],
-             "kvpress_scores_only_ours": [1.0], "kvpress_scores_only_kvpress": [1.0]}]}
+             "kvpress_scores_only_ours": [1.0], "kvpress_scores_only_kvpress": [1.0],
+             "kvpress_gap": 0.0}]}
     assert xc.disagreement_detail(earlier, earlier, scores) == {
-        "count": 0, "all_ties": None, "first": []}
+        "count": 0, "all_ties": None, "all_within_noise": None, "first": []}
 
 
 def test_disagreement_detail_tells_a_score_difference_from_a_tie():
@@ -81,6 +82,21 @@ def test_disagreement_detail_tells_a_score_difference_from_a_tie():
     ours = np.array([1, 0, 1, 0], bool).reshape(1, 1, 1, 4)
     got = xc.disagreement_detail(ours, theirs, scores)
     assert got["count"] == 1 and got["all_ties"] is False
+    assert got["first"][0]["kvpress_gap"] == 1.0
+
+
+@pytest.mark.parametrize("our_error, within", [(0.5, False), (1.0, True)])
+def test_disagreement_detail_measures_a_near_tie_against_the_sides_score_difference(
+        our_error, within):
+    """kvpress's scores 2.0 and 1.0 at the swapped positions: a gap of 1, within the noise
+    only when our scores differ from kvpress's by at least 1 somewhere in that head."""
+    scores = np.array([5.0, 2.0, 1.0, 0.0], np.float32).reshape(1, 1, 1, 4)
+    ours_scores = scores + np.array([0, 0, our_error, 0], np.float32)
+    theirs = np.array([1, 1, 0, 0], bool).reshape(1, 1, 1, 4)
+    ours = np.array([1, 0, 1, 0], bool).reshape(1, 1, 1, 4)
+    got = xc.disagreement_detail(ours, theirs, scores, ours_scores)
+    assert got["all_within_noise"] is within
+    assert got["first"][0]["score_noise"] == our_error
 
 
 # ---- our policies against kvpress's rules -----------------------------------------------------
