@@ -25,13 +25,15 @@ sequence holds nothing of contributes lse = -inf (weight 0); a pool nobody in th
 is skipped at run time (`lax.cond`). With no compressed pool the path is the single-pool one,
 unchanged: the raw table, one kernel call, no merge.
 
-Attention mass (`_paged_attend_mass`, decode only, opt-in): the attention each cached token
-receives, f32[B, Hkv, M * P] by KV head and cache index, each the mean over the query heads of
-its group (the kernels' `mass="token"`). Single pool: the kernels' mass as is. Mixed pools: a
-pool's mass is normalized within the pool, so each query head's is weighted by its share of
-the merged softmax, exp(lse_pool - lse_merged), before the group mean (hence one kernel call
-per head: each query head is its own batch row), and mapped back from the pool's compacted
-columns to the table's (`PoolTables.slots`).
+Attention mass (`_paged_attend_mass`, decode steps and prefill chunks, opt-in): the attention
+each cached token receives, f32[B, Hkv, M * P] by KV head and cache index, each the mean over
+the query heads of its group, summed over the chunk's real queries (the kernels'
+`mass="token"`; causal: a query gives nothing to the chunk's later tokens). Single pool: the
+kernels' mass as is. Mixed pools: a pool's mass is normalized within the pool, so each query
+head's is weighted by its share of the merged softmax, exp(lse_pool - lse_merged), before the
+group mean (hence one kernel call per head: each query head, and each query of a chunk, is its
+own decode row, whose length in pool 0 is its own position + 1), and mapped back from the
+pool's compacted columns to the table's (`PoolTables.slots`).
 
 Under a mesh (`kvquota.sharding.use_mesh`) every kernel call (`_kernel`) and every pool-0 write
 runs in `shard_map` over the KV heads (`kvquota.sharding`); with no mesh in context nothing of it
@@ -358,7 +360,7 @@ def _paged_attend(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: float, ba
 
 
 # --------------------------------------------------------------------------------------------
-# Attention mass (decode).
+# Attention mass (decode steps and prefill chunks).
 
 
 def _decode_per_head(q, k_pages, v_pages, layer, tables, lengths, page: int, sm_scale: float,
@@ -391,35 +393,48 @@ def _decode_per_head(q, k_pages, v_pages, layer, tables, lengths, page: int, sm_
 
 def _paged_attend_mass(cache: PagedKV, layer, q, meta: ChunkMeta, sm_scale: float,
                        backend: str):
-    """Decode attention (q [B, 1, Hq, D]) and the mass each cached token receives ->
-    (out [B, 1, Hq, D], mass f32[B, Hkv, M * P]: column i = cache index i of the row's sequence,
-    per KV head the mean over its group's query heads; see the module docstring).
+    """Attention of a decode step or prefill chunk (q [B, T, Hq, D]) and the mass each cached
+    token receives -> (out [B, T, Hq, D], mass f32[B, Hkv, M * P]: column i = cache index i of
+    the row's sequence, per KV head the mean over its group's query heads, summed over the
+    chunk's real queries; see the module docstring).
     """
     from kernels import paged_attention
 
-    if q.shape[1] != 1:
-        raise ValueError(f"attention mass is computed for decode (T == 1), got T = {q.shape[1]}")
-    b, _, hq, _ = q.shape
+    b, t, hq, d = q.shape
     k_pages, v_pages = cache.k_pages, cache.v_pages  # [L, Hkv, N, P, D], read at `layer`
     page, m = cache.k_pages.shape[3], meta.block_tables.shape[1]
     if not cache.compressed:  # the single-pool path's call, its out unchanged
-        out, aux = _kernel("decode", q[:, 0], k_pages, v_pages, meta.block_tables,
-                           meta.lengths, sm_scale=sm_scale, mass="token", backend=backend,
+        if t == 1:
+            out, aux = _kernel("decode", q[:, 0], k_pages, v_pages, meta.block_tables,
+                               meta.lengths, sm_scale=sm_scale, mass="token", backend=backend,
+                               layer=layer)
+            return out[:, None], aux.mass
+        out, aux = _kernel("prefill", q, k_pages, v_pages, meta.block_tables, meta.lengths,
+                           meta.start, sm_scale=sm_scale, mass="token", backend=backend,
                            layer=layer)
-        return out[:, None], aux.mass
+        return out, aux.mass
+    # Mixed pools: each query of the chunk is a decode row of its own (B*T rows); in pool 0 it
+    # sees the tokens up to its own (every other pool's tokens precede the chunk).
     pools = meta.pools
+    real = jnp.arange(t, dtype=jnp.int32)[None, :] < meta.num_new[:, None]  # [B, T]
+    own0 = pools.lengths[0][:, None] - meta.num_new[:, None] + jnp.arange(t)[None, :] + 1
+    row_lengths = [jnp.where(real, own0, 0)] + [
+        jnp.where(real, n[:, None], 0) for n in pools.lengths[1:]]  # i32[B, T] per pool
     parts = [(k_pages, v_pages)] + list(cache.compressed)
-    results = [_decode_per_head(q[:, 0], kp, vp, layer, pools.tables[p], pools.lengths[p], page,
-                                sm_scale, backend) for p, (kp, vp) in enumerate(parts)]
+    results = [_decode_per_head(q.reshape(b * t, hq, d), kp, vp, layer,
+                                jnp.repeat(pools.tables[p], t, axis=0),
+                                row_lengths[p].reshape(b * t), page, sm_scale, backend)
+               for p, (kp, vp) in enumerate(parts)]
     out, lse = paged_attention.merge_attention([r[0] for r in results], [r[1] for r in results])
     hkv = cache.k_pages.shape[1]
-    mass = jnp.zeros((b, hkv, m, page), jnp.float32)
+    mass = jnp.zeros((b * t, hkv, m, page), jnp.float32)
     for p, (_, lse_p, mass_p) in enumerate(results):
         share = jnp.where(jnp.isfinite(lse_p), jnp.exp(lse_p - jnp.where(
-            jnp.isfinite(lse), lse, 0.0)), 0.0)  # [B, Hq]: the pool's part of the softmax
-        weighted = (share[..., None] * mass_p).reshape(b, hkv, hq // hkv, m, page)
-        pooled = jnp.mean(weighted, axis=2)  # [B, Hkv, M, P]: the group mean, compacted columns
-        slots = pools.slots[p][:, None, :, None]  # [B, 1, M, 1]
+            jnp.isfinite(lse), lse, 0.0)), 0.0)  # [B*T, Hq]: the pool's part of the softmax
+        weighted = (share[..., None] * mass_p).reshape(b * t, hkv, hq // hkv, m, page)
+        pooled = jnp.mean(weighted, axis=2)  # [B*T, Hkv, M, P]: the group mean, compacted
+        slots = jnp.repeat(pools.slots[p], t, axis=0)[:, None, :, None]  # [B*T, 1, M, 1]
         back = jnp.take_along_axis(pooled, jnp.maximum(slots, 0), axis=2)
         mass = mass + jnp.where(slots >= 0, back, 0.0)
-    return out[:, None], mass.reshape(b, hkv, m * page)
+    out = out.reshape(b, t, hq, d)
+    return out, mass.reshape(b, t, hkv, m * page).sum(axis=1)

@@ -14,11 +14,12 @@ where `meta` (`ChunkMeta`) says where the chunk sits in the cache: row b's token
 never written and its logits mean nothing). The two caches (`DenseKV`, `PagedKV`) and their writes and attention live in
 `kvquota.model.caches`.
 
-With `with_mass=True` (a decode step, T == 1, on a `PagedKV`) the call also returns the attention
-mass each cached token received, f32[B, L, Hkv, M * P] per layer and KV head by cache index
-(M = the block table's width), each the mean over the group's query heads: the layer scan's
-output, so per-head eviction can score each (layer, head) on its own. Off (the default), nothing
-of it is traced.
+With `with_mass=True` (on a `PagedKV`: a decode step or a prefill chunk) the call also returns
+the attention mass each cached token received, f32[B, L, Hkv, M * P] per layer and KV head by
+cache index (M = the block table's width), each the mean over the group's query heads, summed
+over the chunk's real queries (causally: none to a later token): the layer scan's output, so
+per-head eviction can score each (layer, head) on its own, and H2O accumulates over every query
+of the prefill and the decode. Off (the default), nothing of it is traced.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Attention(nn.Module):
         v = proj("v_proj", cfg.num_kv_heads)
         sm_scale = 1.0 / math.sqrt(d)
         mass = None
-        if with_mass:  # a decode step on a PagedKV (checked by Decoder)
+        if with_mass:  # on a PagedKV (checked by Decoder)
             cache = _paged_write(cache, layer, k, v, meta)
             out, mass = _paged_attend_mass(cache, layer, q, meta, sm_scale, self.backend)
         elif isinstance(cache, DenseKV):
@@ -161,8 +162,8 @@ class Decoder(nn.Module):
                  with_mass: bool = False):
         """With `last_only`, logits only at each row's last real token: [B, 1, V] (prefill for
         generation needs no more, and the vocabulary projection is a large share of the work).
-        With `with_mass` (decode, PagedKV): (logits, cache, mass f32[B, L, Hkv, M*P]), see the
-        module docstring."""
+        With `with_mass` (PagedKV): (logits, cache, mass f32[B, L, Hkv, M*P]), see the module
+        docstring."""
         cfg = self.config
         if isinstance(cache, PagedKV) and cache.compressed:
             cache.check_layout()
@@ -182,9 +183,9 @@ class Decoder(nn.Module):
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         carry = (h, cache)
         if with_mass:
-            if not isinstance(cache, PagedKV) or tokens.shape[1] != 1:
-                raise ValueError("with_mass needs a decode step (T == 1) on a PagedKV cache, got "
-                                 f"T = {tokens.shape[1]} on {type(cache).__name__}")
+            if not isinstance(cache, PagedKV):
+                raise ValueError("with_mass needs a PagedKV cache (the kernels' mass), got "
+                                 f"{type(cache).__name__}")
         (h, cache), per_layer = layers(carry, layer_ids, cos, sin, meta)
         mass = []
         if with_mass:  # under a mesh: replicated, like the per-block metadata it is added to

@@ -58,12 +58,16 @@ class EvictionPolicy:
 
     Attributes:
       recent: the most recent tokens always kept (the full-precision window of most methods).
+      recent_share: the share of the kept tokens that are the most recent ones (H2O's split of
+        its budget): the recent window of a sequence keeping k tokens is
+        max(recent, floor(recent_share * k)) tokens; the rest are the top-scored older tokens.
     """
 
     name: ClassVar[str] = ""
     needs: ClassVar[tuple[str, ...]] = ()  # TokenView fields that must not be None
     reads_mass: ClassVar[bool] = False  # scores the recorded attention mass
     recent: int = 0
+    recent_share: float = 0.0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -74,6 +78,17 @@ class EvictionPolicy:
         if not isinstance(self.recent, int) or self.recent < 0:
             raise InvalidArgumentError(f"{self.name}: recent must be an integer >= 0, "
                                        f"got {self.recent!r}")
+        share = self.recent_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise InvalidArgumentError(f"{self.name}: recent_share must be a number in [0, 1], "
+                                       f"got {share!r}")
+
+    def recent_tokens(self, kept: jax.Array) -> jax.Array:
+        """i32[B]: the size of the recent window when keeping `kept` (i32[B]) tokens:
+        max(recent, floor(recent_share * kept)), so an odd budget's extra token is a scored one
+        (f32 arithmetic: exact for shares of a power of two such as H2O's 1/2)."""
+        share = jnp.floor(jnp.float32(self.recent_share) * kept.astype(jnp.float32))
+        return jnp.maximum(self.recent, share.astype(jnp.int32))
 
     def score(self, view: TokenView) -> jax.Array:
         """f32[B, L, Hkv, C] (or broadcastable to it): how much each token is worth keeping
@@ -87,22 +102,23 @@ class EvictionPolicy:
         return jnp.broadcast_to(self.score(view).astype(jnp.float32), view.mass.shape)
 
     def keep_mask(self, view: TokenView, keep_tokens: jax.Array) -> jax.Array:
-        """bool[B, L, Hkv, C]: exactly min(keep_tokens, length) tokens per sequence in each
-        (layer, head), the top-scored ones (the `recent` window first; ties go to the later
-        token)."""
+        """bool[B, L, Hkv, C]: exactly k = min(keep_tokens, length) tokens per sequence in each
+        (layer, head): the recent window (`recent_tokens(k)`), then the top-scored older tokens
+        (ties go to the later token)."""
         s = self._scores(view)
-        recent = view.index >= (view.lengths - self.recent)[:, None, None, None]
+        k = jnp.minimum(keep_tokens, view.lengths)
+        recent = view.index >= (view.lengths - self.recent_tokens(k))[:, None, None, None]
         s = jnp.where(recent, jnp.inf, s)
         s = jnp.where(view.valid, s, -jnp.inf)
         # Rank by (score, index) descending: ties keep the more recent token.
         order = jnp.lexsort((-view.index.astype(jnp.float32) * jnp.ones_like(s), -s), axis=-1)
         rank = jnp.argsort(order, axis=-1)
-        k = jnp.minimum(keep_tokens, view.lengths)
         return view.valid & (rank < k[:, None, None, None])
 
     def block_keep_mask(self, view: TokenView, block_size: int, keep_blocks: jax.Array):
         """bool[B, MB]: the top-scored whole blocks (a block's score: its tokens' mean), one
-        set for the whole model (a view with L = Hkv = 1)."""
+        set for the whole model (a view with L = Hkv = 1); the blocks holding the recent window
+        (`recent_tokens` of the kept blocks' tokens) first."""
         if view.per_head:
             raise InvalidArgumentError("whole-block eviction keeps one set of blocks for every "
                                        "layer and head: it needs a global view")
@@ -113,7 +129,8 @@ class EvictionPolicy:
         n = valid.reshape(b, c // block_size, block_size).sum(-1)
         mean = jnp.where(n > 0, s.sum(-1) / jnp.maximum(n, 1), -jnp.inf)
         q = jnp.arange(c // block_size)[None, :]
-        recent = (q + 1) * block_size > (view.lengths - self.recent)[:, None]
+        window = self.recent_tokens(keep_blocks * block_size)
+        recent = (q + 1) * block_size > (view.lengths - window)[:, None]
         mean = jnp.where(recent & (n > 0), jnp.inf, mean)
         order = jnp.lexsort((-q.astype(jnp.float32) * jnp.ones_like(mean), -mean), axis=-1)
         rank = jnp.argsort(order, axis=-1)

@@ -4,13 +4,15 @@ whole model (L = Hkv = 1) the same rule reads the summed statistics.
 
 * StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks"):
   keep the first `sinks` tokens and the most recent ones.
-* H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle"): keep the tokens with the largest
-  accumulated attention, plus a recent window.
+* H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of
+  Large Language Models"): the budget split half heavy hitters (the largest attention
+  accumulated over every query so far, among the tokens older than the recent window), half the
+  most recent tokens; `h2o-fixed` keeps a fixed `recent` window and heavy hitters in the rest.
 * SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"):
   the observation window's attention pooled over neighbouring tokens (max-pool of width
   `kernel` as in the paper's LongBench setting, or kvpress's average) so clusters survive
-  together. The attention is the state's accumulated mass (what the caller recorded, e.g. the
-  window run as decode steps).
+  together. The attention is the state's accumulated mass: what the caller recorded, e.g. the
+  prompt's body unrecorded, then its last W tokens (the window) with recording on.
 * TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"): keep the tokens the last query
   attends to most, per layer with the layer's heads averaged (needs the last step's attention).
 * Key norm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
@@ -43,11 +45,27 @@ class StreamingLLM(EvictionPolicy):
 
 @dataclasses.dataclass(frozen=True)
 class H2O(EvictionPolicy):
+    """H2O as published: `recent_share` 1/2 of the kept tokens are the most recent (floor: an
+    odd budget's extra token is a heavy hitter), the rest the heaviest older tokens, per layer
+    and KV head (the authors' code: `hh_score` summed over queries, top-k over the tokens before
+    the recent window). The mass is whatever the state recorded: prefill and decode queries when
+    the engine records attention during prefill too."""
+
     name = "h2o"
     reads_mass = True
+    recent_share: float = 0.5
 
     def score(self, view: TokenView):
         return view.mass
+
+
+@dataclasses.dataclass(frozen=True)
+class H2OFixedWindow(H2O):
+    """H2O with a fixed recent window (the caller's `recent` tokens) and heavy hitters in all
+    the rest of the budget: this project's h2o before the published split."""
+
+    name = "h2o-fixed"
+    recent_share: float = 0.0
 
 
 SNAPKV_POOLS = ("max", "avg")

@@ -109,6 +109,9 @@ def extend(engine: PagedEngine, seq_ids, tokens, *, lengths=None,
     (typed errors, state untouched); an allocator refusal mid-way (a tenant's quota) raises
     QuotaExceededError with the slots reserved so far kept.
 
+    An engine with `record_attention=True` records each chunk's attention mass into the state,
+    as its prefill does.
+
     Returns the logits of each chunk, f32[B, chunk, V] jax arrays on the device; chunk c covers
     tokens [c * chunk, (c + 1) * chunk) of each row (past a row's length: padding).
     """
@@ -143,6 +146,6 @@ def extend(engine: PagedEngine, seq_ids, tokens, *, lengths=None,
         engine.state, logits = _paged_forward(
             engine.model, engine.params, engine.state, jnp.asarray(rows), jnp.asarray(chunk),
             jnp.asarray(start, jnp.int32), jnp.asarray(num_new), jnp.asarray(positions),
-            last_only=False, pool_starts=engine.pool_starts)
+            last_only=False, pool_starts=engine.pool_starts, record=engine._record_prefill)[:2]
         out.append(logits)
     return out

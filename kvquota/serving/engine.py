@@ -35,7 +35,7 @@ import numpy as np
 
 from configs.models import ModelConfig
 from kvquota.core.statistics import record_mass_core
-from kvquota.errors import ContextTooLongError
+from kvquota.errors import ContextTooLongError, InvalidArgumentError
 from kvquota.model.caches import ChunkMeta, PagedKV
 from kvquota.model.decoder import Decoder
 from kvquota.sentinel import INVALID
@@ -49,8 +49,8 @@ from kvquota.serving.sampling import Sampling, sample_tokens
                    donate_argnames=("state",))
 def _paged_forward(model: Decoder, params, state, seq_ids, tokens, start, num_new, positions,
                    *, last_only: bool, pool_starts: tuple[int, ...], record=None):
-    """One chunk over the paged state (donates `state`); with `record` (static, decode only: a
-    StateConfig) the step's attention mass (f32[B, L, Hkv, M * P]) is added into
+    """One chunk over the paged state (donates `state`); with `record` (static: a StateConfig)
+    the chunk's attention mass (f32[B, L, Hkv, M * P], summed over its queries) is added into
     `blocks.head_mass` and, summed, `blocks.attn_mass`, and returned too.
 
     seq_ids i32[B] (INVALID rows are padding), tokens/positions i32[B, T], start/num_new i32[B].
@@ -270,13 +270,15 @@ class PagedEngine(_Engine):
       chunk_size: prefill chunk length (tokens per sequence per forward call).
       backend: `kernels.paged_attention` backend ("auto": Pallas on GPU, reference on CPU).
       state: an existing state to serve from (default: a fresh one); the engine takes it over.
-      record_attention: decode steps add their attention mass, per layer and KV head, into the
-        state (`blocks.head_mass`, summed into `blocks.attn_mass`); the last step's is
-        `last_mass` f32[B, L, Hkv, M * P].
+      record_attention: True: every query of the prefill and of the decode adds its attention
+        mass, per layer and KV head, into the state (`blocks.head_mass`, summed into
+        `blocks.attn_mass`: what H2O accumulates); "decode": decode steps only (a caller that
+        observes a window of its own choosing, as SnapKV does); False: none. The last decode
+        step's mass is `last_mass` f32[B, L, Hkv, M * P] (prefill chunks leave it as it is).
     """
 
     def __init__(self, config: ModelConfig, params, state_config, *, chunk_size: int = 256,
-                 backend: str = "auto", state=None, record_attention: bool = False):
+                 backend: str = "auto", state=None, record_attention: bool | str = False):
         from kvquota.allocator import Allocator
 
         if state_config.model != config:
@@ -296,7 +298,8 @@ class PagedEngine(_Engine):
         self.state = self.allocator.init() if state is None else state
         self.chunk_size = chunk_size
         self.model = Decoder(config, backend=backend)
-        self._record, self.last_mass = (state_config if record_attention else None), None
+        self.last_mass = None
+        self.record_attention = record_attention
 
     @property
     def state_config(self):
@@ -318,6 +321,26 @@ class PagedEngine(_Engine):
     def max_byte_quota(self) -> int:
         """The largest byte quota the state represents (int32 count of its byte units)."""
         return (2**31 - 1) * self.state_config.unit_bytes
+
+    @property
+    def record_attention(self) -> bool | str:
+        """What records attention mass into the state: True (prefill and decode), "decode" or
+        False. Settable between calls (e.g. a prompt's body unrecorded, then its observation
+        window recorded: what SnapKV scores)."""
+        return self._record_mode
+
+    @record_attention.setter
+    def record_attention(self, mode: bool | str):
+        if not (isinstance(mode, bool) or mode == "decode"):
+            raise InvalidArgumentError(f"record_attention must be True, False or 'decode', got "
+                                       f"{mode!r}")
+        self._record_mode = mode
+        self._record = self.state_config if mode else None  # what decode steps pass
+
+    @property
+    def _record_prefill(self):
+        """What prefill chunks pass as `_paged_forward`'s record (None: nothing recorded)."""
+        return self._record if self._record_mode is True else None
 
     def register_tenant(self, tenant: int, *, token_quota: int, byte_quota: int,
                         share_group: int | None = None):
@@ -389,7 +412,7 @@ class PagedEngine(_Engine):
                 self.model, self.params, self.state, jnp.asarray(seq_ids),
                 jnp.asarray(chunk_tokens), jnp.asarray(done, jnp.int32),
                 jnp.asarray(num_new), jnp.asarray(positions), last_only=last_only,
-                pool_starts=self.pool_starts)
+                pool_starts=self.pool_starts, record=self._record_prefill)[:2]
             if last_only:
                 finishing = (num_new > 0) & (done + num_new == lens)
                 last[finishing] = np.asarray(logits)[finishing]

@@ -100,14 +100,17 @@ def score_streaming(config: ModelConfig, params, token_ids: Sequence[int], polic
                     *, block_size: int = 16, kv_format: str = "f32", backend: str = "auto",
                     return_logits: bool = False) -> tuple[ScoreResult, dict[str, int]]:
     """Teacher-forced scoring one block at a time, `policy` applied before each block attends.
-    Returns the scores and the bytes each pool holds at the end."""
+    An eviction policy that reads attention mass (H2O, SnapKV) scores what every query so far
+    gave each token (each block's mass is recorded as it is written). Returns the scores and
+    the bytes each pool holds at the end."""
     ids = [int(t) for t in token_ids]
     if len(ids) < 2:
         raise ValueError(f"scoring needs at least 2 tokens, got {len(ids)}")
     check_context(config, len(ids), "scoring")
+    reads_mass = policy.evict_policy is not None and get_policy(policy.evict_policy).reads_mass
     engine = PagedEngine(config, params, policy.state_config(config, len(ids), block_size,
                                                              kv_format),
-                         chunk_size=block_size, backend=backend)
+                         chunk_size=block_size, backend=backend, record_attention=reads_mass)
     engine.register_tenant(0, token_quota=len(ids), byte_quota=engine.max_byte_quota)
     first = ids[:block_size]
     report, chunks = engine.admit([0], [first], last_only=False)
@@ -129,7 +132,8 @@ def score_streaming(config: ModelConfig, params, token_ids: Sequence[int], polic
         engine.state, logits = _paged_forward(
             engine.model, engine.params, engine.state, jnp.asarray(seq), jnp.asarray(toks),
             jnp.asarray([start], jnp.int32), jnp.asarray([len(chunk)], jnp.int32),
-            jnp.asarray(positions), last_only=False, pool_starts=engine.pool_starts)
+            jnp.asarray(positions), last_only=False, pool_starts=engine.pool_starts,
+            record=engine._record_prefill)[:2]
         chunks.append(logits[:, : len(chunk)])
     held = cache_bytes_by_pool(engine)
     logits = jnp.concatenate([c[:, : min(c.shape[1], len(ids))] for c in chunks], axis=1)
@@ -157,7 +161,8 @@ def generate_streaming(config: ModelConfig, params, prompts: Sequence[Sequence[i
     pools = tuple((name, blocks * n) for name, blocks in one.compressed_pools)
     state_config = dataclasses.replace(one, num_blocks=one.num_blocks * n, max_seqs=n,
                                        compressed_pools=pools)
-    # Decode steps record their attention mass, which H2O/SnapKV/TOVA and "coldest" read.
+    # Prefill and decode steps record their attention mass, which H2O/SnapKV/TOVA and
+    # "coldest" read.
     engine = PagedEngine(config, params, state_config, chunk_size=256, backend=backend,
                          record_attention=not policy.lossless)
     engine.register_tenant(0, token_quota=2**31 - 1, byte_quota=engine.max_byte_quota)

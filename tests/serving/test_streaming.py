@@ -43,6 +43,18 @@ def test_streaming_eviction_stays_within_the_budget():
     assert np.isfinite(got.nll).all() and held["f32"] <= 4 * full  # 24 kept + the last block
 
 
+def test_streaming_h2o_scores_the_recorded_mass():
+    """H2O's heavy-hitter half reads the mass every query so far gave each token: with nothing
+    recorded every score ties and H2O keeps the newest tokens, as "oldest" (evict the oldest)
+    does; recorded, it keeps other tokens, so the scores differ."""
+    scores = {}
+    for name in ("h2o", "oldest"):
+        policy = kq.CachePolicy(evict_policy=name, budget_tokens=24, keep_recent=4)
+        scores[name] = kq.score_streaming(CONFIG, PARAMS, IDS, policy, block_size=P)[0].nll
+    assert np.isfinite(scores["h2o"]).all()
+    assert not np.allclose(scores["h2o"], scores["oldest"])
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(kv_format="bf16"), dict(keep_recent=-1), dict(evict_policy="h2o"),
     dict(budget_tokens=3), dict(kv_format="int8", evict_policy="h2o", budget_tokens=3),

@@ -48,7 +48,7 @@ def test_attention_after_eviction_equals_dense_attention_over_the_kept_tokens():
     s, _ = alloc.record_attention(s, [0, INVALID], mass)  # summed: a global choice
     s, rep = alloc.evict(s, [0, INVALID], policy="h2o", keep_tokens=4, aggregate="global")
     alloc.check(s)
-    kept = [0, 2, 4, 6]  # the heavy hitters
+    kept = [0, 2, 5, 6]  # H2O's half split: two heavy hitters, the two most recent
     assert _ints(rep.evicted_tokens) == [3, 0]
     q = jax.random.normal(jax.random.key(0), (1, TINY.model.num_q_heads, TINY.model.head_dim))
     table = s.seqs.block_tables[:1]
@@ -109,8 +109,9 @@ def _view(lengths, seed=0, heads=(LAYERS, HEADS)):
 @pytest.mark.parametrize("heads", [(LAYERS, HEADS), (1, 1)], ids=["per-head", "global"])
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_policy_keeps_exactly_its_top_scored_tokens(name, heads):
-    """In every (layer, head): exactly min(keep, length) tokens, the recent one among them, and
-    no dropped token scored above a kept one."""
+    """In every (layer, head): exactly min(keep, length) tokens, the recent window among them
+    (`recent`, or H2O's half of the kept tokens), and no dropped older token scored above a kept
+    one."""
     policy = get_policy(name, recent=1)
     view = _view([7, 3], heads=heads)
     keep = np.asarray(policy.keep_mask(view, jnp.asarray([4, 5], jnp.int32)))
@@ -118,12 +119,13 @@ def test_every_policy_keeps_exactly_its_top_scored_tokens(name, heads):
     assert keep.shape == (2,) + heads + (WIDTH,)
     for b, n in enumerate([7, 3]):
         k = min([4, 5][b], n)
+        r = max(1, int(np.floor(policy.recent_share * k)))
         for layer, head in np.ndindex(*heads):
             kh, sh = keep[b, layer, head], score[b, layer, head]
             assert kh.sum() == k and not kh[n:].any()
-            assert kh[n - 1]  # the recent window
-            kept = [i for i in range(n - 1) if kh[i]]
-            dropped = [i for i in range(n - 1) if not kh[i]]
+            assert kh[n - r:n].all()  # the recent window
+            kept = [i for i in range(n - r) if kh[i]]
+            dropped = [i for i in range(n - r) if not kh[i]]
             if kept and dropped:
                 assert min(sh[kept]) >= max(sh[dropped])
 
@@ -292,6 +294,9 @@ BAD = [
     ("unknown snapkv pooling", E.InvalidArgumentError,
      lambda a, s: a.evict(s, [0], policy="snapkv", keep_tokens=2, aggregate="global",
                           pool="mean")),
+    ("h2o recent_share above 1", E.InvalidArgumentError,
+     lambda a, s: a.evict(s, [0], policy="h2o", keep_tokens=2, aggregate="global",
+                          recent_share=1.5)),
     ("snapkv kernel 0", E.InvalidArgumentError,
      lambda a, s: a.evict(s, [0], policy="snapkv", keep_tokens=2, aggregate="global",
                           kernel=0)),
