@@ -199,6 +199,9 @@ def our_side(config: dict, docs: list, preset) -> tuple[dict, np.ndarray, np.nda
     model_config, params = kq.load_pretrained(config["model"])
     bench = quality.Bench(model_config, params, docs, preset, preset.context_tokens,
                           quality.table_width(docs, preset))
+    # Only the window's decode steps record attention: kvpress's SnapKV observes those 32
+    # queries alone (a prefill that recorded too would add every other query's mass).
+    bench.engine.record_attention = "decode"
     bench.prefill()
     c, t = preset.context_tokens, preset.continuation_tokens
     eng, alloc = bench.engine, bench.alloc
