@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 SPECS := setup.cfg pyproject.toml constraints.txt
 
-.PHONY: demo test docs
+.PHONY: demo test docs crosscheck-kvpress
 
 demo: $(VENV)/.installed-runtime
 	$(PY) -m experiments.reclaim_demo
@@ -40,4 +40,24 @@ $(VENV)/.installed-test: $(VENV)/.installed-runtime
 # Docs: pdoc for the API reference.
 $(VENV)/.installed-docs: $(VENV)/.installed-runtime
 	$(PIP) install -c constraints.txt -e '.[docs]'
+	touch $@
+
+# The cross-check against NVIDIA kvpress (issue 46): kvpress, torch and HF transformers live in
+# their own environment (torch is several GB), never in .venv and never part of `make test`.
+# Extra flags of experiments.crosscheck_kvpress go in CROSSCHECK_FLAGS (e.g. --out_dir=...).
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_PY := $(KVPRESS_VENV)/bin/python
+KVPRESS_REQS := crosscheck/requirements-kvpress.txt
+CROSSCHECK_FLAGS ?=
+
+crosscheck-kvpress: $(KVPRESS_VENV)/.installed $(VENV)/.installed-runtime
+	$(PY) -m experiments.crosscheck_kvpress --kvpress_python=$(KVPRESS_PY) $(CROSSCHECK_FLAGS)
+
+# The `kernels` package that some resolutions of these pins pull in breaks transformers' import:
+# removed (a no-op when absent), then the imports are checked before the stamp is written.
+$(KVPRESS_VENV)/.installed: $(KVPRESS_REQS)
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_PY) -m pip --disable-pip-version-check install -r $(KVPRESS_REQS)
+	$(KVPRESS_PY) -m pip --disable-pip-version-check uninstall -y kernels
+	$(KVPRESS_PY) -c "import kvpress, torch, transformers"
 	touch $@
