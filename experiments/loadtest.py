@@ -56,6 +56,7 @@ _T0 = time.perf_counter()  # wall_seconds: the whole process, imports included
 import json  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
+import resource  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -106,9 +107,15 @@ def define_flags():
     f.register_validator("policies", lambda v: bool(v) and set(v) <= set(kq.RECLAIM_PRESETS)
                          and len(set(v)) == len(v),
                          f"distinct presets of: {', '.join(kq.RECLAIM_PRESETS)}")
-    f.DEFINE_integer("blocks", 1 << 20, "Blocks of pool 0.", lower_bound=64, upper_bound=1 << 24)
-    f.DEFINE_integer("devices", 0, "H200s the pool and weights spread over (0: as many as hold "
-                     "them).", lower_bound=0, upper_bound=4096)
+    f.DEFINE_integer("blocks", 0, "Blocks of pool 0 per replica (0: what the replica's HBM "
+                     "holds beside the weights and the compressed pool).", lower_bound=0,
+                     upper_bound=1 << 24)
+    f.DEFINE_integer("tp", 8, "Tensor-parallel H200s per replica (KV heads and weights split "
+                     "over them; two all-reduces per layer over NVLink).", lower_bound=1,
+                     upper_bound=64)
+    f.DEFINE_integer("replicas", 2, "Replicas, each with its own pool, scheduler and clock; "
+                     "requests routed to the least loaded, quotas split evenly.", lower_bound=1,
+                     upper_bound=64)
     f.DEFINE_integer("max_seqs", 4096, "Sequence slots (and decode rows per step at most).",
                      lower_bound=1, upper_bound=65536)
     f.DEFINE_integer("token_budget", 32768, "Tokens per step (decode rows + prefill chunks).",
@@ -152,15 +159,44 @@ def define_flags():
                      lower_bound=0)
     f.DEFINE_float("prefill_tokens_per_s", 0.0, "Prefill tokens/s per device (0: from "
                    "peak_flops x mfu).", lower_bound=0)
+    f.DEFINE_float("nvlink_bandwidth", 450e9, "NVLink bytes/s per device and direction.",
+                   lower_bound=1)
+    f.DEFINE_float("allreduce_latency_s", 10e-6, "Fixed seconds per all-reduce (two per "
+                   "layer per step under tensor parallelism).", lower_bound=0)
+    f.DEFINE_float("host_step_s", 0.02, "Seconds of host-link transfer one step carries at "
+                   "most (a larger transfer spills into the next steps).", lower_bound=1e-9)
+    f.DEFINE_float("plan_s", 0.0169, "Modelled seconds of one reclaim plan (a constant: runs "
+                   "stay deterministic).", lower_bound=0)
+    f.DEFINE_enum("preset", "default", ["default", "full"], "default: the 2x10^4-request "
+                  "trace; full: the 10^5-request trace (client patience 60 s), meant to run "
+                  "one --policies per job and be merged with --merge.")
     f.DEFINE_integer("jobs", 0, "Worker processes the policies run in (0: one per CPU core).",
                      lower_bound=0, upper_bound=64)
     f.DEFINE_boolean("real_check", False, "Also run the small real case (SmolLM2 on CPU).")
     f.DEFINE_boolean("real_check_only", False, "Run only the small real case (its own run "
                      "directory, loadtest_real-<key>).")
     MEASUREMENT_FLAGS.update(set(FLAGS) - before)  # what --merge takes from its runs instead
+    f.DEFINE_integer("devices", None, "Removed: the deployment is --tp x --replicas.")
+    f.DEFINE_boolean("progress", True, "A progress line per policy on stderr every ~10 s "
+                     "(--noprogress: none).")
     f.DEFINE_list("merge", [], "Run directories of load tests of disjoint policies (same commit, "
                   "config and trace) to merge into one run directory, instead of measuring.")
     runs.define_flags()
+
+
+# --preset=full: the flags whose value differs from the default preset (unless given).
+FULL_PRESET = {"requests": 100_000, "patience_s": 60.0}
+
+
+def apply_preset():
+    """--preset=full sets FULL_PRESET's flags that the command line did not give."""
+    if FLAGS.devices is not None:
+        raise cli.BadInput("--devices is gone: the deployment is --tp (devices per replica, "
+                           "default 8) x --replicas (default 2)")
+    if FLAGS.preset == "full":
+        for name, value in FULL_PRESET.items():
+            if not FLAGS[name].present:
+                FLAGS[name].value = value
 
 
 def load_config() -> "kq.sim.LoadConfig":
@@ -169,9 +205,12 @@ def load_config() -> "kq.sim.LoadConfig":
         hbm_usable=FLAGS.hbm_usable, host_bandwidth=FLAGS.host_bandwidth,
         peak_flops=FLAGS.peak_flops, mfu=FLAGS.mfu, step_overhead_s=FLAGS.step_overhead_s,
         weight_bytes=FLAGS.weight_bytes or None,
-        prefill_tokens_per_s=FLAGS.prefill_tokens_per_s or None)
-    return kq.sim.LoadConfig(
-        blocks=FLAGS.blocks, devices=FLAGS.devices or None, max_seqs=FLAGS.max_seqs,
+        prefill_tokens_per_s=FLAGS.prefill_tokens_per_s or None,
+        nvlink_bandwidth=FLAGS.nvlink_bandwidth, allreduce_latency_s=FLAGS.allreduce_latency_s,
+        host_step_s=FLAGS.host_step_s, plan_s=FLAGS.plan_s)
+    cfg = kq.sim.LoadConfig(
+        blocks=FLAGS.blocks or None, tp=FLAGS.tp, replicas=FLAGS.replicas,
+        max_seqs=FLAGS.max_seqs,
         max_blocks_per_seq=-(-(FLAGS.context_max + FLAGS.output_max) // 16),
         num_tenants=max(FLAGS.tenants, 8),
         compressed_fraction=FLAGS.compressed_fraction, host_fraction=FLAGS.host_fraction,
@@ -180,6 +219,8 @@ def load_config() -> "kq.sim.LoadConfig":
         chunk_size=FLAGS.chunk_size, slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=FLAGS.slo_tpot_s,
         jitter_window=FLAGS.jitter_window, drift_every=FLAGS.drift_every,
         max_steps=FLAGS.max_steps, patience_s=FLAGS.patience_s or None, cost=cost)
+    kq.sim.loadtest.replica_blocks(cfg)  # --tp too small for the weights: a typed error here
+    return cfg
 
 
 def trace_config() -> "kq.sim.TraceConfig":
@@ -204,6 +245,7 @@ def main(argv):
     root = FLAGS.runs_dir
     if not FLAGS["runs_dir"].present:
         root = str(runs.REPO / runs.RUNS_DIR)  # the repo's runs/, from any working directory
+    apply_preset()
     if FLAGS.merge:
         return merge(root)
     cfg = load_config()  # typed errors: one line, status 2, before any heavy work
@@ -233,21 +275,47 @@ def main(argv):
         if trace is None:
             trace = kq.sim.generate_trace(tc)
         summary = kq.sim.loadtest_io.measure(cfg, trace, FLAGS.policies, run, FLAGS.real_check,
-                                             jobs=FLAGS.jobs or os.cpu_count() or 1)
+                                             jobs=FLAGS.jobs or os.cpu_count() or 1,
+                                             progress_s=10.0 if FLAGS.progress else None)
         summary["wall_seconds"] = time.perf_counter() - _T0
+        summary["cpu_seconds"] = cpu_seconds()
         summary["compilation_cache"] = jax.config.jax_compilation_cache_dir  # speeds reruns
         summary = run.finish(summary, plot)
     report(summary, run)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its finished workers (user + system)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def flagged(summary: dict) -> list[str]:
+    """What makes a run fail its own checks: ledger drift, quota cuts that took nothing."""
+    out = []
+    for p, v in summary["policies"].items():
+        if v["ledger_drift_bytes_max"]:
+            out.append(f"{p}: ledger drift {v['ledger_drift_bytes_max']} B (must be 0)")
+        zero = v.get("reclaim", {}).get("zero_target_events", 0)
+        if zero:
+            out.append(f"{p}: {zero} quota cut(s) with a target of 0 bytes (the cut took "
+                       "nothing: no policy is measured by it)")
+    return out
+
+
 def report(summary: dict, run):
     """The summary to stdout (--json: one line) and --out; exit status 1 on ledger drift."""
     summary["wall_seconds"] = time.perf_counter() - _T0
+    if "merged_from" not in summary:  # a merge's: the sum of its runs' (`merge_runs`)
+        summary["cpu_seconds"] = cpu_seconds()
     if FLAGS.out:
         pathlib.Path(FLAGS.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(FLAGS.out).write_text(json.dumps(summary, indent=2) + "\n")
     bad = {p: v["ledger_drift_bytes_max"] for p, v in summary["policies"].items()
            if v["ledger_drift_bytes_max"]}
+    for line in flagged(summary):
+        print(f"warning: {line}", file=sys.stderr)
     if FLAGS.json:
         print(json.dumps(summary), flush=True)
     else:

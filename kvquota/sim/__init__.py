@@ -27,8 +27,8 @@ from kvquota.sim.loadtest import (  # noqa: E402
     CostConstants,
     LoadConfig,
     Replay,
-    devices_needed,
+    blocks_that_fit,
 )
 
 __all__ += ["figures", "loadtest", "loadtest_io", "realcheck", "POLICIES", "CostConstants", "LoadConfig",
-            "Replay", "devices_needed", "summarize"]
+            "Replay", "blocks_that_fit", "summarize"]
