@@ -74,12 +74,12 @@ def define_flags():
     f = flags
     before = set(FLAGS)
     f.DEFINE_string("trace", None, "A trace JSONL file to replay (default: generate one).")
-    f.DEFINE_integer("requests", 100_000, "Requests of the generated trace.", lower_bound=1)
+    f.DEFINE_integer("requests", 20_000, "Requests of the generated trace.", lower_bound=1)
     f.DEFINE_integer("seed", 0, "Seed of the generated trace.", lower_bound=0)
     f.DEFINE_integer("tenants", 8, "Tenants of the generated trace.", lower_bound=1,
                      upper_bound=64)
     f.DEFINE_integer("groups", 2, "Tenant groups sharing a system prompt.", lower_bound=0)
-    f.DEFINE_float("rate", 100.0, "Requests per second of the generated trace.", lower_bound=1e-6)
+    f.DEFINE_float("rate", 40.0, "Requests per second of the generated trace.", lower_bound=1e-6)
     f.DEFINE_enum("arrival", "poisson", ["poisson", "bursty"], "Arrival process.")
     f.DEFINE_float("oversubscription", 1.2, "Sum of the tenants' quota shares (x weights).",
                    lower_bound=0.01)
@@ -93,10 +93,10 @@ def define_flags():
                      lower_bound=0)
     f.DEFINE_integer("context_max", 32768, "Longest conversation of the generated trace.",
                      lower_bound=64)
-    f.DEFINE_float("prompt_mean", 2048.0, "Mean first prompt (system prompt included), tokens.",
+    f.DEFINE_float("prompt_mean", 1024.0, "Mean first prompt (system prompt included), tokens.",
                    lower_bound=1)
     f.DEFINE_integer("prompt_max", 16384, "Longest prompt part, tokens.", lower_bound=1)
-    f.DEFINE_float("output_mean", 256.0, "Mean output (max_new_tokens).", lower_bound=1)
+    f.DEFINE_float("output_mean", 1024.0, "Mean output (max_new_tokens).", lower_bound=1)
     f.DEFINE_integer("output_max", 4096, "Longest output.", lower_bound=1)
     f.DEFINE_float("followup_mean", 256.0, "Mean new user message of a later turn, tokens.",
                    lower_bound=1)
@@ -118,7 +118,7 @@ def define_flags():
                      upper_bound=64)
     f.DEFINE_integer("max_seqs", 4096, "Sequence slots (and decode rows per step at most).",
                      lower_bound=1, upper_bound=65536)
-    f.DEFINE_integer("token_budget", 32768, "Tokens per step (decode rows + prefill chunks).",
+    f.DEFINE_integer("token_budget", 8192, "Tokens per step (decode rows + prefill chunks).",
                      lower_bound=1)
     f.DEFINE_integer("max_admit", 64, "Requests per admit call.", lower_bound=1,
                      upper_bound=1024)
@@ -127,7 +127,7 @@ def define_flags():
                      upper_bound=64)
     f.DEFINE_integer("prefill_rows", 16, "Prefill rows per step.", lower_bound=1,
                      upper_bound=256)
-    f.DEFINE_integer("chunk_size", 4096, "Longest prefill chunk (tokens).", lower_bound=16,
+    f.DEFINE_integer("chunk_size", 2048, "Longest prefill chunk (tokens).", lower_bound=16,
                      upper_bound=65536)
     f.DEFINE_float("compressed_fraction", 0.125, "Compressed (int8) pool, x --blocks.",
                    lower_bound=0, upper_bound=1)
@@ -185,7 +185,8 @@ def define_flags():
 
 
 # --preset=full: the flags whose value differs from the default preset (unless given).
-FULL_PRESET = {"requests": 100_000, "patience_s": 60.0}
+FULL_PRESET = {"requests": 100_000, "rate": 100.0, "prompt_mean": 2048.0, "output_mean": 256.0,
+               "token_budget": 32768, "chunk_size": 4096, "patience_s": 60.0}
 
 
 def apply_preset():

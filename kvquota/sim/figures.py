@@ -84,8 +84,8 @@ def step_figures(samples: list[dict], cfg: LoadConfig, pool0_bytes: int) -> dict
     """Per replica, in step order: jitter (attributed to each step's `cause`), the modelled
     time pool 0 spent above 80 % used (each step's interval, from the previous step's clock to
     its own, at the usage after it), and how long the steps took to come back after each event
-    (`recovery_s`: from the event's step to the first step within 10 % of the median of the
-    `jitter_window` busy steps before it)."""
+    (`recovery_s`: from the start of the event's step to the start of the first step within
+    10 % of the median of the `jitter_window` busy steps before it)."""
     by_replica = collections.defaultdict(list)
     for p in samples:
         by_replica[p.get("replica", 0)].append(p)
@@ -108,7 +108,8 @@ def step_figures(samples: list[dict], cfg: LoadConfig, pool0_bytes: int) -> dict
                 continue
             base = float(np.median(before))
             back = next((q for q in busy[i:] if abs(q["step_s"] - base) <= 0.1 * base), None)
-            recovery.append(None if back is None else back["clock_s"] - p["clock_s"] + p["step_s"])
+            recovery.append(None if back is None else  # from the event step's start to the
+                            back["clock_s"] - back["step_s"] - p["clock_s"] + p["step_s"])  # back one's
     jit, causes = np.asarray(jit), np.asarray(causes)
     by_cause = {c: {"steps": int((causes == c).sum()),
                     "p99_step_jitter_s": _pct(jit[causes == c], 99)}
