@@ -13,7 +13,7 @@ points.jsonl as soon as it is measured; a section that fails (does not compile, 
 memory) is a line with an "error", and the others go on. Only the sections that compiled are
 timed, interleaved. Ctrl-C (SIGINT, as `timeout -s INT` sends) stops the measurement and writes
 what was measured as a summary marked `"partial": true` (exit status 130); such a run is then
-recorded like a complete one: --overwrite measures it again.
+recorded like a complete one (--replay shows it; a run without --replay measures anew).
 
 Not a timed test: numbers go to a run directory (experiments/runs.py: one point per CPU
 (batch, context) and per GPU section or configuration, the summary, plots) with the command,

@@ -213,6 +213,44 @@ def define_kv_format(default: str, allowed: Sequence[str] | None = None, refused
     flags.register_validator("kv_format", lambda value: _check_kv_format(value, allowed, refused))
 
 
+def define_progress() -> None:
+    """--progress (on; --noprogress turns it off): progress of long work on stderr. A program
+    that defined its own --progress first (with its own help) keeps it."""
+    if "progress" in FLAGS:
+        return
+    flags.DEFINE_boolean("progress", True, "Show the progress of long work on stderr "
+                         "(--noprogress: quiet).", module_name=_main_module())
+
+
+def flag_or(name: str, default):
+    """The value of flag `name`, or `default` where the program did not define (or parse) it
+    (a library function called from a test or another program)."""
+    return FLAGS[name].value if name in FLAGS and FLAGS.is_parsed() else default
+
+
+def progress_on() -> bool:
+    return bool(flag_or("progress", True))
+
+
+def progress_bar(**tqdm_args):
+    """A tqdm bar on stderr (a context manager), silent with --noprogress; leaves no line behind
+    when it closes."""
+    from tqdm import tqdm
+
+    return tqdm(disable=not progress_on(), leave=False, file=sys.stderr, **tqdm_args)
+
+
+def stage(message: str) -> None:
+    """One line on stderr saying what a long run does now (a progress line: --noprogress hides
+    it)."""
+    if progress_on():
+        print(f"{_program()}: {message}", file=sys.stderr, flush=True)
+
+
+def _program() -> str:
+    return pathlib.Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "kvquota"
+
+
 def define_json(help_text: str = "Print one JSON object (the last line of stdout).") -> None:
     flags.DEFINE_boolean("json", False, help_text, module_name=_main_module())
 

@@ -92,7 +92,22 @@ def _serve(config, params, sc, prompts, pins, stop, max_new, events, policy, quo
     return s, reqs
 
 
+def lane_state(r) -> str:
+    """What a request is doing after a step, for its lane in the timeline: its status, with a
+    release (its tenant's lease), a preemption (queued to recompute) and a lossy cache told
+    apart."""
+    status = str(r.status)
+    if status == "finished" and r.finish.startswith("released"):
+        return "released"
+    if status == "queued" and r.resuming:
+        return "preempted"
+    if status == "running" and r.lossy:
+        return "lossy"
+    return status
+
+
 def measure(model: str, weights, policy: str, max_new: int, on_point, on_event) -> dict:
+    cli.stage(f"loading {model}")
     config, params = kq.load_pretrained(model, weights)
     tok = kq.load_tokenizer(model, weights)
     prompts, pins = _prompts(tok)
@@ -107,6 +122,8 @@ def measure(model: str, weights, policy: str, max_new: int, on_point, on_event) 
     topup = kq.serving.Request(2, prompts[TOPUP[0]][1], max_new, stop_ids=stop, name=TOPUP[0])
 
     # 1. The reference: the same requests, no event, a roomy pool. It sizes the real run.
+    cli.stage("the reference run (no events, a roomy pool: it sizes the pool and gives each "
+              "request's unreclaimed tokens)")
     ref, ref_reqs = _serve(config, params, big, prompts, pins, stop, max_new, [], policy,
                            {t: huge for t in NAMES})
     while any(r.status in ("pending", "queued", "prefill") for r in ref_reqs.values()):
@@ -114,7 +131,7 @@ def measure(model: str, weights, policy: str, max_new: int, on_point, on_event) 
     s1 = ref.t + 3
     topup.arrival = s1 - 1
     ref.submit(topup)
-    ref.run()
+    ref.run(progress=cli.progress_on())
     ref_reqs[TOPUP[0]] = topup
     held = [sum(b["device"] for b in r["bytes"].values()) // block_bytes for r in ref.records]
     c0, c1 = prompts["C0"][1], topup.prompt  # C1 hits C0's full blocks (its private salt)
@@ -137,10 +154,15 @@ def measure(model: str, weights, policy: str, max_new: int, on_point, on_event) 
               kq.serving.Event(s2, "lease_expiry", 1)]
     c_blocks = ref.records[s1 - 2]["bytes"]["2"]["device"] // block_bytes
     quota = {0: huge, 1: huge, 2: (c_blocks + 2) * block_bytes}  # C's top-up raises it
+    lanes = {}  # request name -> Request, each step's record carries their lane states
     s, reqs = _serve(config, params, sc, prompts, pins, stop, max_new, events, policy, quota,
-                     drift_every=1, on_step=on_point, on_event=on_event)
-    s.run(progress=True)
+                     drift_every=1, on_event=on_event, on_step=lambda rec: on_point(
+                         {**rec, "requests": {n: lane_state(r) for n, r in lanes.items()}}))
     reqs[TOPUP[0]] = topup2
+    lanes.update(reqs)
+    cli.stage(f"the run with events (C tops up at step {s1 - 1}, A's quota is cut at step {s1}, "
+              f"B's lease ends at step {s2})")
+    s.run(progress=cli.progress_on())
     return _summarize(s, reqs, ref_reqs, tok, dict(
         model=config.name, policy=policy, pool_blocks=sc.num_blocks, host_blocks=sc.host_blocks,
         block_bytes=block_bytes, cut_step=s1, lease_step=s2, topup_blocks=need,
@@ -176,8 +198,7 @@ def _summarize(s, reqs, ref_reqs, tok, setup) -> dict:
     topup_ok = bool(c1.first_refused == cut - 1 and c1.admitted_step == cut
                     and "pool full" in c1.refusals)  # kvquota.codes REFUSED_POOL_FULL
     answers = [{**r.summary(), "text": tok.decode(r.tokens).strip(),
-                "agreement": _agreement(r.tokens, ref_reqs[name].tokens)}
-               for name, r in reqs.items()]
+                **_compared(r, ref_reqs[name].tokens)} for name, r in reqs.items()]
     summary = s.summary()
     return {
         "target_bytes": int(target), "reclaimed_bytes_by_tier": tiers,
@@ -191,6 +212,16 @@ def _summarize(s, reqs, ref_reqs, tok, setup) -> dict:
 def _agreement(got, want) -> float:
     """Fraction of the unreclaimed run's tokens this run reproduced, position by position."""
     return sum(a == b for a, b in zip(got, want)) / len(want) if want else 1.0
+
+
+def _compared(r, want) -> dict:
+    """An answer against the run without events: the agreement of a request that ran to its
+    end; for one released (its tenant's lease ended) the step, and how many of the tokens it had
+    by then are the reference's (agreement would count the tokens it never got to generate)."""
+    if r.finish.startswith("released"):
+        return {"agreement": None, "released_step": r.finished_step,
+                "tokens_as_reference": sum(a == b for a, b in zip(r.tokens, want))}
+    return {"agreement": _agreement(r.tokens, want), "released_step": None}
 
 
 # ---- printing and plotting (from the summary and the run's files only) -----------------------
@@ -235,8 +266,14 @@ def describe(m: dict) -> str:
                "as paid, and as planned: a plan assumes the prefix cache still holds the "
                "blocks it counted when the request comes back):")
     for a in m["answers"]:
-        out.append(f"  [{a['name']}] {a['finish']}, {len(a['tokens'])} tokens, agreement "
-                   f"{a['agreement']:.2f}; preempted {a['preemptions']}x, suspended "
+        if a.get("released_step") is not None:
+            why = a["finish"].partition(": ")[2].replace("_", " ")
+            outcome = (f"released at step {a['released_step']} ({why}) after "
+                       f"{len(a['tokens'])} tokens ({a['tokens_as_reference']} as in the run "
+                       "without events)")
+        else:
+            outcome = f"{a['finish']}, {len(a['tokens'])} tokens, agreement {a['agreement']:.2f}"
+        out.append(f"  [{a['name']}] {outcome}; preempted {a['preemptions']}x, suspended "
                    f"{a['suspensions']}x, recomputed {a['paid_resume_tokens']} tokens "
                    f"(planned {a['planned_resume_tokens']}), restored "
                    f"{a['paid_resume_bytes']:,} B (planned {a['planned_resume_bytes']:,} B)"
@@ -250,31 +287,218 @@ def describe(m: dict) -> str:
     return "\n".join(out)
 
 
-def plot(points, metrics, out_dir) -> list[str]:
-    """timeline.png: device and host bytes per tenant over the steps, stacked, events marked."""
-    import matplotlib.pyplot as plt
+LANES = {  # a request's state after a step -> (colour, legend label)
+    "queued": ("#cccccc", "queued (waiting for room)"),
+    "prefill": ("#9ecae1", "prefill"),
+    "running": ("#3182bd", "decoding"),
+    "lossy": ("#fd8d3c", "decoding, cache compressed / evicted"),
+    "suspended": ("#9e9ac8", "suspended (its KV on host)"),
+    "preempted": ("#de2d26", "preempted (queued to recompute)"),
+}
+ACTIONS = {  # reclaim action -> (marker, colour); one row each in the timeline
+    "offload": ("v", "#756bb1"), "restore": ("^", "#31a354"), "preempt": ("X", "#de2d26"),
+    "free": ("o", "#636363"), "compress": ("s", "#fd8d3c"), "evict": ("D", "#a63603"),
+}
+MIB = 2**20
 
+
+def _event_label(ev: dict) -> str:
+    who = NAMES.get(ev["tenant"], ev["tenant"])
+    if ev["kind"] == "quota_cut":
+        quota = ev["ledger_after"][str(ev["tenant"])]["byte_quota"]
+        return f"{ev['step']}: {who}'s byte quota cut to {quota / MIB:.1f} MiB"
+    if ev["kind"] == "lease_expiry":
+        return f"{ev['step']}: {who}'s lease ends"
+    if ev["kind"] == "burst":
+        return f"{ev['step']}: {who} tops up (a request, a higher quota)"
+    return f"{ev['step']}: {ev['kind'].replace('_', ' ')} of tenant {who}"
+
+
+def place_labels(ax, items, fontsize: float = 8) -> list:
+    """Writes each (x, text) of `items` in `ax` (x in data units) in the lowest row where it
+    overlaps no label already written, left-aligned at x, or right-aligned where it would run
+    past the right edge; sets the rows as the axes' y range. Returns the Text artists."""
+    renderer = ax.figure.canvas.get_renderer()
+    x0, x1 = ax.get_xlim()
+    rows, texts = [], []  # rows: per row, the (left, right) display spans taken
+    for x, label in sorted(items, key=lambda item: item[0]):
+        text = ax.text(x, 0, label, fontsize=fontsize, va="center", ha="left", clip_on=False)
+        box = text.get_window_extent(renderer)
+        if box.x1 > ax.transData.transform((x1, 0))[0]:
+            text.set_horizontalalignment("right")
+            box = text.get_window_extent(renderer)
+        span = (box.x0 - 4, box.x1 + 4)
+        row = next((i for i, taken in enumerate(rows)
+                    if all(span[1] <= a or b <= span[0] for a, b in taken)), len(rows))
+        if row == len(rows):
+            rows.append([])
+        rows[row].append(span)
+        text.set_y(row)
+        texts.append(text)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first row on top
+    ax.set_xlim(x0, x1)
+    return texts
+
+
+def _step_actions(points, metrics) -> dict:
+    """{action: {step: bytes}}: what reclaim moved in each step. offload / free / compress /
+    evict from the events' reports (their bytes by means), restore from the bytes each step
+    restored, preempt from each step's preemptions (the bytes freed by them count in free); a
+    step holding several actions (an offload and a restore of one swap) has them all."""
+    out = {name: {} for name in ACTIONS}
+    tier_action = {"free": "free", "offload": "offload", "compress": "compress",
+                   "evict": "evict"}
+    for ev in metrics["events"]:
+        for st in ev.get("report", {}).get("steps", []):
+            action = tier_action[MEANS_TIER[st["means"]]]
+            moved = st["host_bytes"] if action == "offload" else st["pool_bytes"]
+            out[action][ev["step"]] = out[action].get(ev["step"], 0) + moved
+    for p in points:
+        if p["paid_resume_bytes"]:
+            out["restore"][p["step"]] = p["paid_resume_bytes"]
+        if p["preemptions"]:
+            out["preempt"][p["step"]] = p["preemptions"]
+        if p["suspensions"] and p["step"] not in out["offload"]:
+            out["offload"][p["step"]] = 0  # suspended outside an event: bytes not reported
+    return out
+
+
+def plot(points, metrics, out_dir) -> list[str]:
+    """timeline.png, from the run's points and summary only. Top to bottom: the events (labels
+    that never overlap); the reclaim actions of each step (offload, restore, preempt, free,
+    compress, evict: one row each, so several actions in one step all show); device bytes per
+    tenant, stacked, with pool 0's capacity and each tenant's byte quota (it caps device bytes;
+    a quota above the plot is not drawn); host bytes per tenant with the host pool's capacity;
+    one lane per request, coloured by what it does after each step, with its end marked."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    st = metrics["setup"]
     steps = [p["step"] for p in points]
-    fig, axes = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    for ax, tiers, label in ((axes[0], ("device", "compressed"), "device MiB"),
-                             (axes[1], ("host",), "host MiB")):
-        ys = [[sum(p["bytes"].get(str(t), {}).get(k, 0) for k in tiers) / 2**20 for p in points]
-              for t in NAMES]
-        ax.stackplot(steps, ys, labels=[f"tenant {n}" for n in NAMES.values()])
+    xlim = (min(steps) - 1, max(steps) + 1)
+    actions = {k: v for k, v in _step_actions(points, metrics).items()
+               if v or k in ("offload", "restore", "preempt", "free")}
+    names = sorted({n for p in points for n in p.get("requests", {})})
+    fig = plt.figure(figsize=(11, 11.5))
+    heights = [1.0, 0.3 * len(actions), 1.8, 1.8, 1.1, 0.35 * max(len(names), 1)]
+    grid = fig.add_gridspec(6, 1, height_ratios=heights, left=0.12, right=0.75, top=0.95,
+                            bottom=0.05, hspace=0.12)
+    ax_ev, ax_act, ax_dev, ax_quota, ax_host, ax_lane = [fig.add_subplot(grid[i])
+                                                         for i in range(6)]
+    panels = (ax_act, ax_dev, ax_quota, ax_host, ax_lane)
+    for ax in panels:
+        ax.sharex(ax_ev)
+    ax_ev.set_xlim(*xlim)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    # the events, their steps marked through every panel
+    ax_ev.axis("off")
+    labels = place_labels(ax_ev, [(ev["step"], _event_label(ev)) for ev in metrics["events"]])
+    heights[0] = 0.22 * (1 + max((t.get_position()[1] for t in labels), default=0))
+    grid.set_height_ratios(heights)  # a row per line of labels
+    for ev in metrics["events"]:
+        for ax in panels:
+            ax.axvline(ev["step"], color="k", lw=0.7, ls=":", zorder=0)
+
+    # reclaim actions per step
+    for row, (name, by_step) in enumerate(actions.items()):
+        marker, colour = ACTIONS[name]
+        ax_act.scatter(list(by_step), [row] * len(by_step), marker=marker, color=colour, s=40)
+    ax_act.set_yticks(range(len(actions)), [
+        f"{name} ({sum(v.values())} req.)" if name == "preempt"
+        else f"{name} ({sum(v.values()) / MIB:.1f} MiB)" for name, v in actions.items()],
+        fontsize=8)
+    ax_act.set_ylim(len(actions) - 0.5, -0.5)
+    ax_act.set_title("reclaim actions per step (one row each: actions in one step all show)",
+                     fontsize=8, loc="left")
+
+    # the pools: bytes per tenant, stacked, against each pool's capacity
+    for ax, tiers, capacity, label, cap_label in (
+            (ax_dev, ("device", "compressed"), st["pool_blocks"] * st["block_bytes"],
+             "device MiB\n(stacked)", "pool 0 capacity"),
+            (ax_host, ("host",), st["host_blocks"] * st["block_bytes"], "host MiB\n(stacked)",
+             "host pool capacity")):
+        ys = [_tenant_mib(points, t, tiers) for t in NAMES]
+        ax.stackplot(steps, ys, step="post", colors=colours[:len(NAMES)],
+                     labels=[f"tenant {n}" for n in NAMES.values()])
+        ax.axhline(capacity / MIB, color="k", lw=1.2, label=cap_label)
+        ax.set_ylim(0, 1.12 * max(capacity / MIB, max(map(sum, zip(*ys)), default=0)))
         ax.set_ylabel(label)
-        for p in points:
-            for kind in p["events"]:
-                ax.axvline(p["step"], color="k", lw=0.8, ls="--")
-                if ax is axes[0]:
-                    ax.text(p["step"], ax.get_ylim()[1] * 0.95, kind.replace("_", " "),
-                            rotation=90, va="top", fontsize=7)
-    axes[0].legend(fontsize=7, loc="upper right")
-    axes[1].set_xlabel("step")
-    axes[0].set_title(f"{metrics['setup']['model']}, policy {metrics['setup']['policy']}")
-    fig.tight_layout()
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+    # each tenant's device bytes against its own byte quota (a quota off the scale: not drawn)
+    quotas, top = _quota_steps(metrics, steps), 0.0
+    for t, n in NAMES.items():
+        mine = _tenant_mib(points, t, ("device", "compressed"))
+        ax_quota.step(steps, mine, where="post", color=colours[t], lw=1.6, label=f"tenant {n}")
+        top = max(top, max(mine, default=0))
+    top *= 1.25
+    for t, n in NAMES.items():
+        if min(quotas[t]) / MIB < top:
+            ax_quota.step(steps, [q / MIB for q in quotas[t]], where="post", ls="--", lw=1.2,
+                          color=colours[t], label=f"{n}'s byte quota")
+    ax_quota.set_ylim(0, top)
+    ax_quota.set_ylabel("device MiB\nper tenant")
+    ax_quota.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+    # one lane per request
+    for y, name in enumerate(names):
+        states = [p.get("requests", {}).get(name, "pending") for p in points]
+        start = 0
+        for i in range(1, len(states) + 1):
+            if i == len(states) or states[i] != states[start]:
+                if states[start] in LANES:
+                    ax_lane.broken_barh([(steps[start], steps[i - 1] + 1 - steps[start])],
+                                        (y - 0.35, 0.7), color=LANES[states[start]][0])
+                start = i
+        end = next((i for i, state in enumerate(states) if state in
+                    ("finished", "released", "refused")), None)
+        if end is not None and states[end] == "released":
+            ax_lane.plot(steps[end], y, "kX", ms=7)
+            ax_lane.text(steps[end] + 1.5, y, f"released at step {steps[end]}", fontsize=7,
+                         va="center")
+        elif end is not None:
+            ax_lane.plot(steps[end], y, "k|", ms=9, mew=2)
+    fated = {"suspended": "suspended", "preempted": "preempted", "compressed": "lossy",
+             "evicted": "lossy"}  # a fate shows even when the same step undoes it (a restore)
+    for f in metrics["fates"]:
+        if f["request"] in names and f["fate"] in fated:
+            ax_lane.plot(f["step"], names.index(f["request"]), "D", ms=6, mec="k", mew=0.8,
+                         color=LANES[fated[f["fate"]]][0])
+    ax_lane.set_yticks(range(len(names)), names, fontsize=8)
+    ax_lane.set_ylim(max(len(names), 1) - 0.5, -0.5)
+    ax_lane.set_xlabel("step")
+    ax_lane.legend(handles=[Patch(color=c, label=label) for c, label in LANES.values()] + [
+        Line2D([], [], color="k", marker="|", ls="", ms=9, mew=2, label="finished"),
+        Line2D([], [], color="k", marker="X", ls="", ms=7, label="released (lease)"),
+        Line2D([], [], color="w", marker="D", mec="k", ls="", ms=6,
+               label="a reclaim's fate (its colour)")],
+        fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for ax in (ax_ev, *panels[:-1]):
+        ax.tick_params(labelbottom=False)
+    fig.suptitle(f"{st['model']}, policy {st['policy']}: pool 0 of {st['pool_blocks']} blocks "
+                 f"({st['block_bytes'] // 1024} KiB each), host pool of {st['host_blocks']} blocks",
+                 fontsize=10)
     fig.savefig(pathlib.Path(out_dir) / "timeline.png", dpi=110)
     plt.close(fig)
     return ["timeline.png"]
+
+
+def _tenant_mib(points, tenant: int, tiers) -> list[float]:
+    """Tenant's MiB in `tiers` after each step."""
+    return [sum(p["bytes"].get(str(tenant), {}).get(k, 0) for k in tiers) / MIB for p in points]
+
+
+def _quota_steps(metrics, steps) -> dict:
+    """{tenant: [byte quota after each step]}, from the ledgers before and after each event."""
+    events = sorted(metrics["events"], key=lambda ev: ev["step"])
+    quotas = {}
+    for t in NAMES:
+        before = events[0]["ledger_before"][str(t)]["byte_quota"] if events else 0
+        quotas[t] = [next((ev["ledger_after"][str(t)]["byte_quota"] for ev in reversed(events)
+                           if ev["step"] <= step), before) for step in steps]
+    return quotas
 
 
 def main(argv):
@@ -285,7 +509,7 @@ def main(argv):
     run = runs.open_run("reclaim_demo", "experiments.reclaim_demo", config, seed=None,
                         root=FLAGS.runs_dir, overwrite=FLAGS.overwrite)
     if run.complete:
-        cli.note(f"{run.path} already holds this run; showing it again (--overwrite reruns it)")
+        runs.replay_note(run)
         summary = run.stored_summary()
     else:
         events = kq.serving.JsonLines(run.path / "events.jsonl")

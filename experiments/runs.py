@@ -1,11 +1,12 @@
 r"""Run directories: what an experiment measured, keyed by its resolved config (kvpress-style).
 
-Each run of a benchmark writes
+Each run of an experiment writes
 
-    runs/<experiment>-<key>/
+    runs/<experiment>-<key>-<UTC time>/
       config.json    the resolved config (every flag that changes what is measured, parsed), the
-                     seed, the git commit (and whether the tree had uncommitted changes), the
-                     library versions, the device, the machine's load average and the command
+                     seed, the git commit, whether tracked files differ from it (`git_dirty`) and
+                     a hash of every uncommitted change (`git_changes`), the library versions,
+                     the device, the machine's load average and the command
       points.jsonl   one JSON object per measured point, appended as it is measured (each with the
                      1-minute load average when it was taken); a failed point (out of memory, a
                      configuration that does not compile) is a line with an "error", not a crash
@@ -14,17 +15,21 @@ Each run of a benchmark writes
 
 <key> is a short hash of the experiment, its resolved config, the git commit, the uncommitted
 changes (`git_changes`: a hash of the diff of tracked files against the commit and of every
-untracked file git does not ignore; None on a clean tree) and the jax platform: the same
-measurement of the same code on the same kind of device lands in the same directory, and an edit
-of the code, committed or not, is another run. An existing complete
-run is never overwritten: it is shown again, with a note, unless --overwrite asks for a new
-measurement; an incomplete one (no metrics.json: an interrupted run) is moved aside to
-`<dir>.incomplete-<time>` and measured again. The summary also goes to stdout with --json (one
-line, the last) and to --out (a file, e.g. under results/, where committed summaries live).
+untracked file git does not ignore, names and contents; None on a clean tree) and the jax
+platform: runs of the same measurement of the same code on the same kind of device share the
+key, and an edit of the code, committed or not, changes it.
+
+Every run measures, into a new directory (the time stamp, and a counter should two runs start
+in the same second, keep them apart): a finished run is never overwritten and never shown in
+place of a measurement. Only --replay shows again the newest complete run with this key (same
+config, same code, committed or not) instead of measuring; with no such run it is an error. An
+interrupted run is a directory without metrics.json, left as it is. The summary also goes to
+stdout with --json (one line, the last) and to --out (a file, e.g. under results/, where
+committed summaries live).
 
 Plots can be redrawn from a run directory alone:
 
-    python -m experiments.runs --run_dir=runs/bench_reclaim-1a2b3c4d
+    python -m experiments.runs --run_dir=runs/bench_reclaim-1a2b3c4d-20261206T181640Z
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ import logging as logging_module
 import os
 import pathlib
 import platform
-import shutil
 import subprocess
 import sys
 from typing import Callable
@@ -59,15 +63,21 @@ PlotFn = Callable[[list, dict, pathlib.Path], list]
 
 
 def define_flags() -> None:
-    """--runs_dir, --overwrite and --out, for an experiment that writes a run directory."""
+    """--runs_dir, --replay, --overwrite, --out and --progress (--noprogress), for an experiment
+    that writes a run directory."""
     main = sys.argv[0]  # credited to the main module, so --help lists them
     flags.DEFINE_string("runs_dir", RUNS_DIR, "Where run directories are made.", module_name=main)
-    flags.DEFINE_boolean("overwrite", False,
-                         "Measure again even if this run's directory exists (it is replaced).",
+    flags.DEFINE_boolean("replay", False,
+                         "Do not measure: show again the newest complete run of this config and "
+                         "this code (committed and uncommitted), an error when there is none.",
                          module_name=main)
+    flags.DEFINE_boolean("overwrite", False,
+                         "Measure anew even with --replay, and replace committed results where "
+                         "the experiment guards them (--out_dir).", module_name=main)
     flags.DEFINE_string("out", None,
                         "Also write the summary JSON to this file (e.g. results/<name>.json).",
                         module_name=main)
+    cli.define_progress()
     cli.define_json()
 
 
@@ -170,7 +180,8 @@ def read_config(run_dir) -> dict:
 
 @dataclasses.dataclass
 class Run:
-    """One run directory. `complete`: it already held a finished run (nothing to measure)."""
+    """One run directory. `complete`: a finished run shown again (--replay): nothing to
+    measure."""
 
     path: pathlib.Path
     config: dict
@@ -214,27 +225,51 @@ def summary_metadata(run: Run) -> dict:
     }
 
 
-def open_run(experiment: str, module: str, config: dict, *, seed, root: str = RUNS_DIR,
-             overwrite: bool = False) -> Run:
-    """The run directory of `config` under `root`: created (config.json written), or, when it
-    already holds a complete run and `overwrite` is False, returned with `complete=True`.
+def run_directories(root, experiment: str, key: str) -> list[pathlib.Path]:
+    """The directories of runs with this key under `root`, oldest first (the time stamp sorts;
+    `<experiment>-<key>` alone is how runs were named before each run had its own)."""
+    root = pathlib.Path(root)
+    found = [p for p in root.glob(f"{experiment}-{key}-*") if p.is_dir()]
+    if (root / f"{experiment}-{key}").is_dir():
+        found.append(root / f"{experiment}-{key}")
+    return sorted(found, key=lambda p: (p.name != f"{experiment}-{key}", p.name))
 
-    An incomplete existing run (no metrics.json: interrupted) is moved aside, not overwritten,
-    to `<dir>.incomplete-<UTC time>`, unless `overwrite`.
+
+def _new_directory(root: pathlib.Path, name: str) -> pathlib.Path:
+    """Creates `root/<name>-<UTC time>` (then -2, -3, ... when runs start in the same second);
+    never an existing directory."""
+    stamp = now_utc().replace("-", "").replace(":", "").replace("+0000", "Z")
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = root / f"{name}-{stamp}{'' if n == 1 else f'-{n}'}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise OSError(f"no free run directory for {name} at {stamp} under {root}")
+
+
+def open_run(experiment: str, module: str, config: dict, *, seed, root: str = RUNS_DIR,
+             replay: bool | None = None, overwrite: bool = False) -> Run:
+    """A new run directory for `config` under `root` (config.json written): every run measures.
+
+    `replay` (default: the --replay flag where the program defines it) returns instead the
+    newest complete run with the same key (same experiment, config, code and platform) with
+    `complete=True`, and raises cli.BadInput when there is none; `overwrite` (--overwrite)
+    measures anew even then.
     """
+    replay = bool(cli.flag_or("replay", False)) if replay is None else replay
     git = git_state()
     dev = device()
     key = run_key(experiment, config, git["git_commit"], dev["platform"], git["git_changes"])
-    path = pathlib.Path(root) / f"{experiment}-{key}"
-    if path.exists() and not overwrite:
-        if (path / METRICS).exists():
-            return Run(path, read_config(path), complete=True)
-        aside = path.with_name(f"{path.name}.incomplete-{now_utc().replace(':', '')}")
-        path.rename(aside)
-        cli.note(f"{path} held an interrupted run (no {METRICS}): moved to {aside}")
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
+    if replay and not overwrite:
+        done = [p for p in run_directories(root, experiment, key) if (p / METRICS).exists()]
+        if not done:
+            raise cli.BadInput(f"--replay: no complete run of {experiment} with this config and "
+                               f"code (key {key}) under {root}; run without --replay to measure")
+        return Run(done[-1], read_config(done[-1]), complete=True)
+    path = _new_directory(pathlib.Path(root), f"{experiment}-{key}")
     record = {
         "experiment": experiment,
         "module": module,
@@ -279,22 +314,36 @@ def replot(run_dir) -> list[str]:
 # ---- the whole flow of a benchmark's main ------------------------------------------------------
 
 
+def replay_note(run: Run) -> None:
+    """The stderr note of a run shown again (--replay) instead of measured."""
+    c = run.config
+    changes = f", uncommitted changes {c['git_changes']}" if c.get("git_changes") else ""
+    cli.note(f"--replay: showing {run.path} (measured {c['time_utc']} at git "
+             f"{str(c['git_commit'])[:10]}{changes}), not measuring")
+
+
 def execute(experiment: str, config: dict, measure: Callable[[Callable[[dict], None]], dict], *,
             seed, plot: PlotFn | None = None,
             describe: Callable[[dict], str] | None = None) -> dict:
-    """Opens the run directory for `config`, measures (`measure(add_point)` returns the results)
-    unless the run is already recorded, writes the summary to --out and prints it (--json: one
+    """Opens a new run directory for `config`, measures (`measure(add_point)` returns the
+    results; a progress counter of the points on stderr unless --noprogress), or with --replay
+    shows the newest complete run instead, writes the summary to --out and prints it (--json: one
     line of JSON, the last of stdout; else `describe(summary)`). Returns the summary."""
     module = f"experiments.{experiment}"
     run = open_run(experiment, module, config, seed=seed, root=FLAGS.runs_dir,
                    overwrite=FLAGS.overwrite)
     if run.complete:
-        cli.note(f"{run.path} already holds this run (git {str(run.config['git_commit'])[:10]}, "
-                 f"{run.config['time_utc']}); showing it again: pass --overwrite to measure anew")
+        replay_note(run)
         summary = run.stored_summary()
     else:
         logging.info("writing %s", run.path)
-        summary = run.finish(measure(run.add_point), plot)
+        with cli.progress_bar(desc=experiment, unit="point") as bar:
+            def add_point(point: dict) -> None:
+                run.add_point(point)
+                bar.update(1)
+
+            measured = measure(add_point)
+        summary = run.finish(measured, plot)
     if FLAGS.out:
         out = pathlib.Path(FLAGS.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -308,7 +357,7 @@ def execute(experiment: str, config: dict, measure: Callable[[Callable[[dict], N
 
 
 def _define_replot_flags():
-    flags.DEFINE_string("run_dir", None, "A run directory (runs/<experiment>-<key>).",
+    flags.DEFINE_string("run_dir", None, "A run directory (runs/<experiment>-<key>-<time>).",
                         required=True)
 
 

@@ -18,6 +18,8 @@ def demo(tmp_path_factory):
     proc = run_cli("reclaim_demo", f"--model={TINY_MODEL}", f"--weights={ckpt}",
                    "--max_new_tokens=8", "--json", f"--runs_dir={runs}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # progress on stderr (--noprogress: none), the summary alone on stdout
+    assert "reclaim_demo: the run with events" in proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1]), runs, ckpt
 
 
@@ -62,6 +64,64 @@ def test_run_directory_holds_metrics_events_and_the_timeline(demo):
                 "paid_resume_bytes"):  # per step, summing to the run's totals
         assert sum(p[key] for p in points) == out["scheduler"][key], key
     assert json.loads((run_dir / "metrics.json").read_text())["fates"] == out["fates"]
+    # Each step's record carries every request's lane state; B's requests are released at the
+    # lease step, and say so instead of an agreement.
+    lease = out["setup"]["lease_step"]
+    names = {a["name"] for a in out["answers"]}
+    assert all(set(p["requests"]) == names for p in points)
+    for a in out["answers"]:
+        lane = [p["requests"][a["name"]] for p in points]
+        if a["name"].startswith("B"):
+            assert a["released_step"] == lease and a["agreement"] is None
+            assert lane[lease:] == ["released"] * (len(points) - lease)
+            assert 0 <= a["tokens_as_reference"] <= len(a["tokens"])
+        else:
+            assert a["released_step"] is None and a["agreement"] == 1.0
+            assert lane[-1] == "finished" and "released" not in lane
+
+
+def test_replay_shows_the_run_and_measuring_again_makes_a_new_one(demo, tmp_path):
+    """`make demo` twice measures twice; --replay shows the newest run instead (same code)."""
+    out, runs, ckpt = demo
+    args = [f"--model={TINY_MODEL}", f"--weights={ckpt}", "--max_new_tokens=8", "--json",
+            f"--runs_dir={runs}"]
+    shown = run_cli("reclaim_demo", *args, "--replay", "--noprogress", timeout=300)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert shown.stderr.startswith("note: --replay: showing") and shown.stderr.count("\n") == 1
+    assert json.loads(shown.stdout.splitlines()[-1]) == out
+    assert len(list(runs.glob("reclaim_demo-*"))) == 1
+    again = run_cli("reclaim_demo", *args, "--noprogress", timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "reclaim_demo:" not in again.stderr  # --noprogress
+    second = json.loads(again.stdout.splitlines()[-1])
+    assert second["run_dir"] != out["run_dir"] and len(list(runs.glob("reclaim_demo-*"))) == 2
+    assert second["fates"] == out["fates"]  # the same measurement, measured again
+
+
+def test_event_labels_never_overlap():
+    """Labels of events one step apart, or at the same step, or at the right edge, go to rows
+    where no two overlap, and stay inside the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from experiments.reclaim_demo import place_labels
+
+    fig, ax = plt.subplots(figsize=(6, 2))
+    ax.set_xlim(0, 40)
+    items = [(5, "5: C tops up (a request, a higher quota)"), (6, "6: A's byte quota cut"),
+             (6, "6: lease of B ends"), (7, "7: burst"), (30, "30: a long label at the edge"),
+             (39, "39: the last one")]
+    texts = place_labels(ax, items)
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in texts]
+    for i, a in enumerate(boxes):
+        assert fig.bbox.x0 <= a.x0 and a.x1 <= fig.bbox.x1, texts[i].get_text()
+        for b in boxes[:i]:
+            assert not a.overlaps(b)
+    assert len({t.get_position()[1] for t in texts}) >= 4  # 5, 6, 6 and 7 share no row
+    plt.close(fig)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -61,7 +61,7 @@ def test_uncommitted_changes_are_part_of_the_run_key(tmp_path, monkeypatch):
 def test_run_directory_lifecycle(tmp_path, capsys):
     config = {"size": 4, "sweep": [1, 2]}
     run = runs.open_run("toy", "experiments.bench_reclaim", config, seed=7, root=tmp_path)
-    assert re.fullmatch(r"toy-[0-9a-f]{8}", run.path.name) and not run.complete
+    assert re.fullmatch(r"toy-[0-9a-f]{8}-\d{8}T\d{6}Z", run.path.name) and not run.complete
     recorded = runs.read_config(run.path)
     assert recorded["config"] == config and recorded["seed"] == 7
     for key in ("git_commit", "git_dirty", "git_changes", "versions", "device", "command",
@@ -78,25 +78,33 @@ def test_run_directory_lifecycle(tmp_path, capsys):
     assert summary["run_dir"] == str(run.path)
     assert (run.path / "xy.png").stat().st_size > 0
 
-    # The same config again: the complete run is found, not overwritten.
+    # The same config again measures again, into a new directory (the same key, the time after
+    # it, a counter within one second); the finished run is left as it was.
     again = runs.open_run("toy", "experiments.bench_reclaim", config, seed=7, root=tmp_path)
-    assert again.path == run.path and again.complete and again.stored_summary() == summary
-    # Another config: another directory.
+    assert again.path != run.path and not again.complete
+    assert again.config["key"] == run.config["key"] == run.path.name.split("-")[1]
+    assert runs.read_points(again.path) == [] and runs.read_metrics(run.path) == summary
+    again.add_point({"x": 9, "y": 9.0})  # then interrupted: no metrics.json
+    # Another config: another key.
     other = runs.open_run("toy", "experiments.bench_reclaim", {"size": 5, "sweep": [1, 2]},
                           seed=7, root=tmp_path)
-    assert other.path != run.path
-    # --overwrite: a fresh directory in the same place.
+    assert other.config["key"] != run.config["key"]
+    assert runs.run_directories(tmp_path, "toy", run.config["key"]) == [run.path, again.path]
+
+    # --replay: the newest complete run with the key (the interrupted one is not complete);
+    # nothing is made. With --overwrite it measures anew after all.
+    before = sorted(tmp_path.iterdir())
+    shown = runs.open_run("toy", "experiments.bench_reclaim", config, seed=7, root=tmp_path,
+                          replay=True)
+    assert shown.path == run.path and shown.complete and shown.stored_summary() == summary
+    assert sorted(tmp_path.iterdir()) == before
     fresh = runs.open_run("toy", "experiments.bench_reclaim", config, seed=7, root=tmp_path,
-                          overwrite=True)
-    assert fresh.path == run.path and not fresh.complete and runs.read_points(fresh.path) == []
-    # An interrupted run (no metrics.json) is moved aside, never overwritten.
-    fresh.add_point({"x": 9, "y": 9.0})
-    capsys.readouterr()
-    redo = runs.open_run("toy", "experiments.bench_reclaim", config, seed=7, root=tmp_path)
-    assert not redo.complete and runs.read_points(redo.path) == []
-    (aside,) = tmp_path.glob(f"{run.path.name}.incomplete-*")
-    assert [(p["x"], p["y"]) for p in runs.read_points(aside)] == [(9, 9.0)]
-    assert "moved to" in capsys.readouterr().err
+                          replay=True, overwrite=True)
+    assert not fresh.complete and fresh.path not in before
+    with pytest.raises(runs.cli.BadInput, match="no complete run"):
+        runs.open_run("toy", "experiments.bench_reclaim", {"size": 6}, seed=7, root=tmp_path,
+                      replay=True)
+    assert [(p["x"], p["y"]) for p in runs.read_points(again.path)] == [(9, 9.0)]
 
 
 def _fake_run(tmp_path, module, points, metrics):
@@ -170,15 +178,20 @@ def test_bench_reclaim_json_contract_and_run_directory(tmp_path):
     assert runs.read_metrics(run_dir) == summary
     assert json.loads((tmp_path / "results" / "r.json").read_text()) == summary
 
-    # Again: the recorded run is shown, not measured or overwritten (unless a commit landed
-    # in between: the commit is part of the key, so that is another run).
+    # Again: measured again, into a second run directory; --replay shows the newest complete
+    # run of this config and code instead (when no commit landed in between: the commit is part
+    # of the key).
     again = run_cli("bench_reclaim", *args)
     assert again.returncode == 0, again.stderr
     second = json.loads(again.stdout.splitlines()[-1])
-    if second["git_commit"] == summary["git_commit"]:
-        assert "already holds this run" in again.stderr and second == summary
-    else:
-        assert second["run_dir"] != summary["run_dir"]
+    assert second["run_dir"] != summary["run_dir"]
+    assert len(list((tmp_path / "runs").glob("bench_reclaim-*"))) == 2
+    shown = run_cli("bench_reclaim", *args, "--replay")
+    if second["git_commit"] == summary["git_commit"] == runs.git_state()["git_commit"]:
+        assert shown.returncode == 0, shown.stderr
+        assert "--replay: showing" in shown.stderr
+        assert json.loads(shown.stdout.splitlines()[-1]) == second
+        assert len(list((tmp_path / "runs").glob("bench_reclaim-*"))) == 2
 
 
 @pytest.mark.slow
