@@ -1,38 +1,48 @@
 r"""The load test: a multi-tenant trace replayed under each reclaim policy at Qwen2.5-72B scale.
 
-  python -m experiments.loadtest --json                      # 10^5 requests, 2^20 blocks
+  python -m experiments.loadtest --json                      # 2x10^4 requests, all five policies
   python -m experiments.loadtest --blocks=4096 --requests=200 --max_seqs=64   # a quick one
   python -m experiments.loadtest --trace=my_trace.jsonl      # bring your own trace
+  python -m experiments.loadtest --preset=full --policies=tiered --jobs=1 --json   # 10^5, one job
 
-The serving scheduler (`kq.serving.Scheduler`) with the cost-model executor over a metadata-only
-state (`kq.sim.loadtest`): pool 0 of --blocks blocks of 16 tokens of Qwen2.5-72B bf16 KV
-(5 MiB each), a compressed int8 pool and a host pool, spread over --devices H200s (default: as
-many as hold the device pools and the weights). A trace (`kq.sim.traces`, generated from the
-flags or --trace) is replayed on the modelled clock under every policy of --policies, each as if
-on a fresh state (the steps before the trace's first event, where no policy has acted yet, are
-replayed once per worker and copied for each policy: the same steps). Every cost constant is a
-flag and recorded in the run directory's config.json. The run directory (experiments/runs.py)
-holds the trace (trace.jsonl: replay it with --trace), one JSON line per step (points.jsonl) and
-per request (requests.jsonl), metrics.json, summary.md (the table) and the plots
-latency_cdf.png and bytes_timeline.png, drawn from those files only.
+The serving scheduler (`kq.serving.Scheduler`) with the cost-model executor over metadata-only
+states (`kq.sim.loadtest`): --replicas replicas (default 2) of --tp H200s each (default 8,
+tensor-parallel: KV heads and weights split, two all-reduces per layer over NVLink), each with
+its own state, scheduler and clock; requests go to the least-loaded replica, a session's turns
+stay on its replica, and each tenant's quota is split evenly over the replicas. Per replica:
+pool 0 of --blocks blocks of 16 tokens of Qwen2.5-72B bf16 KV (5 MiB each; default: what the
+replica's usable HBM holds beside the weights, 155,996 blocks), a compressed int8 pool and a
+host pool. `blocks` in the JSON is the total over replicas. Every reclaim means is priced
+(docs/loadtest.md: the cost model, every constant a flag recorded in config.json). A trace
+(`kq.sim.traces`, generated from the flags or --trace) is replayed on the modelled clock under
+every policy of --policies, each as if on a fresh state (the steps before the trace's first
+event, where no policy has acted yet, are replayed once per worker and copied for each policy).
+The run directory (experiments/runs.py) holds the trace (trace.jsonl: replay it with --trace),
+one JSON line per step and replica (points.jsonl) and per request (requests.jsonl),
+metrics.json (each policy's figures, and `event_plans`: each event's plan, what it reclaimed,
+its fates by kind, planned and paid resume costs, its device work), summary.md (the table) and
+the plots latency_cdf.png and bytes_timeline.png, drawn from those files only. Progress goes to
+stderr per policy every ~10 s (steps, modelled time, requests ended; --noprogress: none).
 The policies run in --jobs worker processes (default: one per CPU core), with the same files.
 --patience_s=S models clients that give up: a request not admitted within S seconds of its
 arrival is cancelled and counted as refused "timed out" (off by default: clients wait for
 ever, so a tenant cut below its arrival rate builds a queue without bound).
 The ledger drift must be 0 at every check (every event, every --drift_every steps, the end):
-otherwise the run is written and the program exits with status 1. --real_check also runs the
-small real case (`kq.sim.realcheck`: SmolLM2-135M on CPU, measured step times against the cost
-model's ranking of the policies, H200 and CPU-calibrated; ~6 minutes here, so off by default);
---real_check_only runs just that, into its own run directory (loadtest_real-<key>):
+otherwise the run is written and the program exits with status 1. A quota cut whose target,
+summed over replicas, is 0 bytes counts in `zero_target_events` and is flagged on stderr.
+--real_check also runs the small real case (`kq.sim.realcheck`: SmolLM2-135M on CPU, measured
+step times against the cost model's ranking of the policies, H200 and CPU-calibrated; ~6
+minutes here, so off by default); --real_check_only runs just that, into its own run directory
+(loadtest_real-<key>):
 
   python -m experiments.loadtest --real_check_only
 
-Compiling every shape at 2^20 blocks takes minutes per worker; the programs go to jax's
-persistent cache (`experiments.cli.compilation_cache`: ~/.cache/kvquota/jax, KVQUOTA_JAX_CACHE=
-turns it off), so a rerun on the same machine loads them, and metrics.json names the cache
-(`compilation_cache`) beside wall_seconds. Each policy's entry says how much of its wall_s went
-to jax tracing, lowering and compiling (or loading from the cache): compile_s, of
-compiled_programs programs (shared_compile_s of it before the first event).
+The programs go to jax's persistent cache (`experiments.cli.compilation_cache`:
+~/.cache/kvquota/jax, KVQUOTA_JAX_CACHE= turns it off), so a rerun on the same machine loads
+them (tracing and lowering still run in each process), and metrics.json names the cache
+(`compilation_cache`) beside wall_seconds and cpu_seconds. Each policy's entry says how much of
+its wall_s went to jax tracing, lowering and compiling (or loading from the cache): compile_s,
+of compiled_programs programs (shared_compile_s of it before the first event), and its cpu_s.
 
 Policies can also run as separate jobs (one --policies each, same flags) and be merged into one
 run directory, files, table and plots as one run of them all would have written:

@@ -37,13 +37,15 @@ def test_rows_become_requests_in_arrival_order(tmp_path):
 def test_a_converted_trace_replays_with_zero_drift(tmp_path):
     src = tmp_path / "a.csv"
     src.write_text(CSV.replace(",9000,5000", ",90,50"))
-    trace = azure.convert_azure_csv(src, tmp_path / "t.jsonl", tenants=2, output_max=64,
-                                    context_max=700, events=[
-                                        kq.sim.TraceEvent(0.7, "quota_cut", 0, 0.01)])
+    made = azure.convert_azure_csv(src, tmp_path / "t.jsonl", tenants=2, output_max=64,
+                                   context_max=700, events=[
+                                       kq.sim.TraceEvent(0.7, "quota_cut", 0, 0.01)])
     cfg = lt.LoadConfig(blocks=256, max_seqs=8, max_blocks_per_seq=48, num_tenants=4,
                         token_budget=256, max_admit=4, prefill_rows=2, chunk_size=128,
                         replicas=1, tp=8)
-    rp = lt.Replay(cfg, kq.sim.load_trace(tmp_path / "t.jsonl"), "tiered")
+    trace = kq.sim.load_trace(tmp_path / "t.jsonl")
+    assert trace.events == made.events
+    rp = lt.Replay(cfg, trace, "tiered")
     reqs = rp.run()
     kq.check_invariants(rp.sc, rp.sched.state)
     assert len(reqs) == 4 and all(d["bytes"] == 0 == d["tokens"] for d in rp.drift)

@@ -3,7 +3,6 @@ read counted from the host mirror against the block tables, a replay's clock, se
 drift, the jitter definition, and the figures' definitions on hand-made requests."""
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
