@@ -89,7 +89,7 @@ def define_flags():
     f.DEFINE_integer("tenants", 8, "Tenants of the generated trace.", lower_bound=1,
                      upper_bound=64)
     f.DEFINE_integer("groups", 2, "Tenant groups sharing a system prompt.", lower_bound=0)
-    f.DEFINE_float("rate", 40.0, "Requests per second of the generated trace.", lower_bound=1e-6)
+    f.DEFINE_float("rate", 70.0, "Requests per second of the generated trace.", lower_bound=1e-6)
     f.DEFINE_enum("arrival", "poisson", ["poisson", "bursty"], "Arrival process.")
     f.DEFINE_float("oversubscription", 1.2, "Sum of the tenants' quota shares (x weights).",
                    lower_bound=0.01)
@@ -132,8 +132,9 @@ def define_flags():
                      lower_bound=1)
     f.DEFINE_integer("max_admit", 64, "Requests per admit call.", lower_bound=1,
                      upper_bound=1024)
-    f.DEFINE_integer("steps_per_pass", 1, "Steps per scheduling pass (> 1: multi-step "
-                     "scheduling, admissions and frees between passes only).", lower_bound=1,
+    f.DEFINE_integer("steps_per_pass", 8, "Steps per scheduling pass (multi-step "
+                     "scheduling, vLLM's num_scheduler_steps: admissions, frees and events "
+                     "between passes only; 1: single steps).", lower_bound=1,
                      upper_bound=64)
     f.DEFINE_integer("prefill_rows", 16, "Prefill rows per step.", lower_bound=1,
                      upper_bound=256)
@@ -151,7 +152,7 @@ def define_flags():
     f.DEFINE_integer("drift_every", 1000, "Ledger drift checked every n steps (and at events, "
                      "at the end).", lower_bound=1)
     f.DEFINE_integer("max_steps", 1_000_000, "Steps per policy at most.", lower_bound=1)
-    f.DEFINE_float("patience_s", 0.0, "A client cancels a request not admitted within this many "
+    f.DEFINE_float("patience_s", 60.0, "A client cancels a request not admitted within this many "
                    "seconds of its arrival (refused 'timed out'; 0: clients wait for ever).",
                    lower_bound=0)
     # the cost model (H200 SXM defaults)
@@ -196,7 +197,7 @@ def define_flags():
 
 # --preset=full: the flags whose value differs from the default preset (unless given).
 FULL_PRESET = {"requests": 100_000, "rate": 100.0, "prompt_mean": 2048.0, "output_mean": 256.0,
-               "token_budget": 32768, "chunk_size": 4096, "patience_s": 60.0}
+               "token_budget": 32768, "chunk_size": 4096}
 
 
 def apply_preset():

@@ -278,7 +278,8 @@ class Scheduler:
             self._admit()
         k = self.steps_per_pass
         limit = min(k, max(1, max_steps or k))
-        moved = min(self.host_queue, getattr(self.executor, "host_step_bytes", INF))
+        # the host link moves at most its share of the pass's steps (charged to step 0)
+        moved = min(self.host_queue, limit * getattr(self.executor, "host_step_bytes", INF))
         batch, dec, counts, pres = compose_pass(self.executor, self.live, self.token_budget,
                                                 self.m, int(moved), limit)
         if batch is not None:  # the step runs: it carries the reclaim work and host transfers
