@@ -1,38 +1,48 @@
 r"""The load test: a multi-tenant trace replayed under each reclaim policy at Qwen2.5-72B scale.
 
-  python -m experiments.loadtest --json                      # 10^5 requests, 2^20 blocks
+  python -m experiments.loadtest --json                      # 2x10^4 requests, all five policies
   python -m experiments.loadtest --blocks=4096 --requests=200 --max_seqs=64   # a quick one
   python -m experiments.loadtest --trace=my_trace.jsonl      # bring your own trace
+  python -m experiments.loadtest --preset=full --policies=tiered --jobs=1 --json   # 10^5, one job
 
-The serving scheduler (`kq.serving.Scheduler`) with the cost-model executor over a metadata-only
-state (`kq.sim.loadtest`): pool 0 of --blocks blocks of 16 tokens of Qwen2.5-72B bf16 KV
-(5 MiB each), a compressed int8 pool and a host pool, spread over --devices H200s (default: as
-many as hold the device pools and the weights). A trace (`kq.sim.traces`, generated from the
-flags or --trace) is replayed on the modelled clock under every policy of --policies, each as if
-on a fresh state (the steps before the trace's first event, where no policy has acted yet, are
-replayed once per worker and copied for each policy: the same steps). Every cost constant is a
-flag and recorded in the run directory's config.json. The run directory (experiments/runs.py)
-holds the trace (trace.jsonl: replay it with --trace), one JSON line per step (points.jsonl) and
-per request (requests.jsonl), metrics.json, summary.md (the table) and the plots
-latency_cdf.png and bytes_timeline.png, drawn from those files only.
+The serving scheduler (`kq.serving.Scheduler`) with the cost-model executor over metadata-only
+states (`kq.sim.loadtest`): --replicas replicas (default 2) of --tp H200s each (default 8,
+tensor-parallel: KV heads and weights split, two all-reduces per layer over NVLink), each with
+its own state, scheduler and clock; requests go to the least-loaded replica, a session's turns
+stay on its replica, and each tenant's quota is split evenly over the replicas. Per replica:
+pool 0 of --blocks blocks of 16 tokens of Qwen2.5-72B bf16 KV (5 MiB each; default: what the
+replica's usable HBM holds beside the weights, 155,996 blocks), a compressed int8 pool and a
+host pool. `blocks` in the JSON is the total over replicas. Every reclaim means is priced
+(docs/loadtest.md: the cost model, every constant a flag recorded in config.json). A trace
+(`kq.sim.traces`, generated from the flags or --trace) is replayed on the modelled clock under
+every policy of --policies, each as if on a fresh state (the steps before the trace's first
+event, where no policy has acted yet, are replayed once per worker and copied for each policy).
+The run directory (experiments/runs.py) holds the trace (trace.jsonl: replay it with --trace),
+one JSON line per step and replica (points.jsonl) and per request (requests.jsonl),
+metrics.json (each policy's figures, and `event_plans`: each event's plan, what it reclaimed,
+its fates by kind, planned and paid resume costs, its device work), summary.md (the table) and
+the plots latency_cdf.png and bytes_timeline.png, drawn from those files only. Progress goes to
+stderr per policy every ~10 s (steps, modelled time, requests ended; --noprogress: none).
 The policies run in --jobs worker processes (default: one per CPU core), with the same files.
 --patience_s=S models clients that give up: a request not admitted within S seconds of its
 arrival is cancelled and counted as refused "timed out" (off by default: clients wait for
 ever, so a tenant cut below its arrival rate builds a queue without bound).
 The ledger drift must be 0 at every check (every event, every --drift_every steps, the end):
-otherwise the run is written and the program exits with status 1. --real_check also runs the
-small real case (`kq.sim.realcheck`: SmolLM2-135M on CPU, measured step times against the cost
-model's ranking of the policies, H200 and CPU-calibrated; ~6 minutes here, so off by default);
---real_check_only runs just that, into its own run directory (loadtest_real-<key>):
+otherwise the run is written and the program exits with status 1. A quota cut whose target,
+summed over replicas, is 0 bytes counts in `zero_target_events` and is flagged on stderr.
+--real_check also runs the small real case (`kq.sim.realcheck`: SmolLM2-135M on CPU, measured
+step times against the cost model's ranking of the policies, H200 and CPU-calibrated; ~6
+minutes here, so off by default); --real_check_only runs just that, into its own run directory
+(loadtest_real-<key>):
 
   python -m experiments.loadtest --real_check_only
 
-Compiling every shape at 2^20 blocks takes minutes per worker; the programs go to jax's
-persistent cache (`experiments.cli.compilation_cache`: ~/.cache/kvquota/jax, KVQUOTA_JAX_CACHE=
-turns it off), so a rerun on the same machine loads them, and metrics.json names the cache
-(`compilation_cache`) beside wall_seconds. Each policy's entry says how much of its wall_s went
-to jax tracing, lowering and compiling (or loading from the cache): compile_s, of
-compiled_programs programs (shared_compile_s of it before the first event).
+The programs go to jax's persistent cache (`experiments.cli.compilation_cache`:
+~/.cache/kvquota/jax, KVQUOTA_JAX_CACHE= turns it off), so a rerun on the same machine loads
+them (tracing and lowering still run in each process), and metrics.json names the cache
+(`compilation_cache`) beside wall_seconds and cpu_seconds. Each policy's entry says how much of
+its wall_s went to jax tracing, lowering and compiling (or loading from the cache): compile_s,
+of compiled_programs programs (shared_compile_s of it before the first event), and its cpu_s.
 
 Policies can also run as separate jobs (one --policies each, same flags) and be merged into one
 run directory, files, table and plots as one run of them all would have written:
@@ -56,6 +66,7 @@ _T0 = time.perf_counter()  # wall_seconds: the whole process, imports included
 import json  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
+import resource  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -73,12 +84,12 @@ def define_flags():
     f = flags
     before = set(FLAGS)
     f.DEFINE_string("trace", None, "A trace JSONL file to replay (default: generate one).")
-    f.DEFINE_integer("requests", 100_000, "Requests of the generated trace.", lower_bound=1)
+    f.DEFINE_integer("requests", 20_000, "Requests of the generated trace.", lower_bound=1)
     f.DEFINE_integer("seed", 0, "Seed of the generated trace.", lower_bound=0)
     f.DEFINE_integer("tenants", 8, "Tenants of the generated trace.", lower_bound=1,
                      upper_bound=64)
     f.DEFINE_integer("groups", 2, "Tenant groups sharing a system prompt.", lower_bound=0)
-    f.DEFINE_float("rate", 100.0, "Requests per second of the generated trace.", lower_bound=1e-6)
+    f.DEFINE_float("rate", 70.0, "Requests per second of the generated trace.", lower_bound=1e-6)
     f.DEFINE_enum("arrival", "poisson", ["poisson", "bursty"], "Arrival process.")
     f.DEFINE_float("oversubscription", 1.2, "Sum of the tenants' quota shares (x weights).",
                    lower_bound=0.01)
@@ -92,10 +103,10 @@ def define_flags():
                      lower_bound=0)
     f.DEFINE_integer("context_max", 32768, "Longest conversation of the generated trace.",
                      lower_bound=64)
-    f.DEFINE_float("prompt_mean", 2048.0, "Mean first prompt (system prompt included), tokens.",
+    f.DEFINE_float("prompt_mean", 1024.0, "Mean first prompt (system prompt included), tokens.",
                    lower_bound=1)
     f.DEFINE_integer("prompt_max", 16384, "Longest prompt part, tokens.", lower_bound=1)
-    f.DEFINE_float("output_mean", 256.0, "Mean output (max_new_tokens).", lower_bound=1)
+    f.DEFINE_float("output_mean", 1024.0, "Mean output (max_new_tokens).", lower_bound=1)
     f.DEFINE_integer("output_max", 4096, "Longest output.", lower_bound=1)
     f.DEFINE_float("followup_mean", 256.0, "Mean new user message of a later turn, tokens.",
                    lower_bound=1)
@@ -106,21 +117,28 @@ def define_flags():
     f.register_validator("policies", lambda v: bool(v) and set(v) <= set(kq.RECLAIM_PRESETS)
                          and len(set(v)) == len(v),
                          f"distinct presets of: {', '.join(kq.RECLAIM_PRESETS)}")
-    f.DEFINE_integer("blocks", 1 << 20, "Blocks of pool 0.", lower_bound=64, upper_bound=1 << 24)
-    f.DEFINE_integer("devices", 0, "H200s the pool and weights spread over (0: as many as hold "
-                     "them).", lower_bound=0, upper_bound=4096)
+    f.DEFINE_integer("blocks", 0, "Blocks of pool 0 per replica (0: what the replica's HBM "
+                     "holds beside the weights and the compressed pool).", lower_bound=0,
+                     upper_bound=1 << 24)
+    f.DEFINE_integer("tp", 8, "Tensor-parallel H200s per replica (KV heads and weights split "
+                     "over them; two all-reduces per layer over NVLink).", lower_bound=1,
+                     upper_bound=64)
+    f.DEFINE_integer("replicas", 2, "Replicas, each with its own pool, scheduler and clock; "
+                     "requests routed to the least loaded, quotas split evenly.", lower_bound=1,
+                     upper_bound=64)
     f.DEFINE_integer("max_seqs", 4096, "Sequence slots (and decode rows per step at most).",
                      lower_bound=1, upper_bound=65536)
-    f.DEFINE_integer("token_budget", 32768, "Tokens per step (decode rows + prefill chunks).",
+    f.DEFINE_integer("token_budget", 8192, "Tokens per step (decode rows + prefill chunks).",
                      lower_bound=1)
     f.DEFINE_integer("max_admit", 64, "Requests per admit call.", lower_bound=1,
                      upper_bound=1024)
-    f.DEFINE_integer("steps_per_pass", 1, "Steps per scheduling pass (> 1: multi-step "
-                     "scheduling, admissions and frees between passes only).", lower_bound=1,
+    f.DEFINE_integer("steps_per_pass", 8, "Steps per scheduling pass (multi-step "
+                     "scheduling, vLLM's num_scheduler_steps: admissions, frees and events "
+                     "between passes only; 1: single steps).", lower_bound=1,
                      upper_bound=64)
     f.DEFINE_integer("prefill_rows", 16, "Prefill rows per step.", lower_bound=1,
                      upper_bound=256)
-    f.DEFINE_integer("chunk_size", 4096, "Longest prefill chunk (tokens).", lower_bound=16,
+    f.DEFINE_integer("chunk_size", 2048, "Longest prefill chunk (tokens).", lower_bound=16,
                      upper_bound=65536)
     f.DEFINE_float("compressed_fraction", 0.125, "Compressed (int8) pool, x --blocks.",
                    lower_bound=0, upper_bound=1)
@@ -134,7 +152,7 @@ def define_flags():
     f.DEFINE_integer("drift_every", 1000, "Ledger drift checked every n steps (and at events, "
                      "at the end).", lower_bound=1)
     f.DEFINE_integer("max_steps", 1_000_000, "Steps per policy at most.", lower_bound=1)
-    f.DEFINE_float("patience_s", 0.0, "A client cancels a request not admitted within this many "
+    f.DEFINE_float("patience_s", 60.0, "A client cancels a request not admitted within this many "
                    "seconds of its arrival (refused 'timed out'; 0: clients wait for ever).",
                    lower_bound=0)
     # the cost model (H200 SXM defaults)
@@ -152,15 +170,45 @@ def define_flags():
                      lower_bound=0)
     f.DEFINE_float("prefill_tokens_per_s", 0.0, "Prefill tokens/s per device (0: from "
                    "peak_flops x mfu).", lower_bound=0)
+    f.DEFINE_float("nvlink_bandwidth", 450e9, "NVLink bytes/s per device and direction.",
+                   lower_bound=1)
+    f.DEFINE_float("allreduce_latency_s", 10e-6, "Fixed seconds per all-reduce (two per "
+                   "layer per step under tensor parallelism).", lower_bound=0)
+    f.DEFINE_float("host_step_s", 0.02, "Seconds of host-link transfer one step carries at "
+                   "most (a larger transfer spills into the next steps).", lower_bound=1e-9)
+    f.DEFINE_float("plan_s", 0.0169, "Modelled seconds of one reclaim plan (a constant: runs "
+                   "stay deterministic).", lower_bound=0)
+    f.DEFINE_enum("preset", "default", ["default", "full"], "default: the 2x10^4-request "
+                  "trace; full: the 10^5-request trace (client patience 60 s), meant to run "
+                  "one --policies per job and be merged with --merge.")
     f.DEFINE_integer("jobs", 0, "Worker processes the policies run in (0: one per CPU core).",
                      lower_bound=0, upper_bound=64)
     f.DEFINE_boolean("real_check", False, "Also run the small real case (SmolLM2 on CPU).")
     f.DEFINE_boolean("real_check_only", False, "Run only the small real case (its own run "
                      "directory, loadtest_real-<key>).")
     MEASUREMENT_FLAGS.update(set(FLAGS) - before)  # what --merge takes from its runs instead
+    f.DEFINE_integer("devices", None, "Removed: the deployment is --tp x --replicas.")
+    f.DEFINE_boolean("progress", True, "A progress line per policy on stderr every ~10 s "
+                     "(--noprogress: none).")
     f.DEFINE_list("merge", [], "Run directories of load tests of disjoint policies (same commit, "
                   "config and trace) to merge into one run directory, instead of measuring.")
     runs.define_flags()
+
+
+# --preset=full: the flags whose value differs from the default preset (unless given).
+FULL_PRESET = {"requests": 100_000, "rate": 100.0, "prompt_mean": 2048.0, "output_mean": 256.0,
+               "token_budget": 32768, "chunk_size": 4096}
+
+
+def apply_preset():
+    """--preset=full sets FULL_PRESET's flags that the command line did not give."""
+    if FLAGS.devices is not None:
+        raise cli.BadInput("--devices is gone: the deployment is --tp (devices per replica, "
+                           "default 8) x --replicas (default 2)")
+    if FLAGS.preset == "full":
+        for name, value in FULL_PRESET.items():
+            if not FLAGS[name].present:
+                FLAGS[name].value = value
 
 
 def load_config() -> "kq.sim.LoadConfig":
@@ -169,9 +217,12 @@ def load_config() -> "kq.sim.LoadConfig":
         hbm_usable=FLAGS.hbm_usable, host_bandwidth=FLAGS.host_bandwidth,
         peak_flops=FLAGS.peak_flops, mfu=FLAGS.mfu, step_overhead_s=FLAGS.step_overhead_s,
         weight_bytes=FLAGS.weight_bytes or None,
-        prefill_tokens_per_s=FLAGS.prefill_tokens_per_s or None)
-    return kq.sim.LoadConfig(
-        blocks=FLAGS.blocks, devices=FLAGS.devices or None, max_seqs=FLAGS.max_seqs,
+        prefill_tokens_per_s=FLAGS.prefill_tokens_per_s or None,
+        nvlink_bandwidth=FLAGS.nvlink_bandwidth, allreduce_latency_s=FLAGS.allreduce_latency_s,
+        host_step_s=FLAGS.host_step_s, plan_s=FLAGS.plan_s)
+    cfg = kq.sim.LoadConfig(
+        blocks=FLAGS.blocks or None, tp=FLAGS.tp, replicas=FLAGS.replicas,
+        max_seqs=FLAGS.max_seqs,
         max_blocks_per_seq=-(-(FLAGS.context_max + FLAGS.output_max) // 16),
         num_tenants=max(FLAGS.tenants, 8),
         compressed_fraction=FLAGS.compressed_fraction, host_fraction=FLAGS.host_fraction,
@@ -180,6 +231,8 @@ def load_config() -> "kq.sim.LoadConfig":
         chunk_size=FLAGS.chunk_size, slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=FLAGS.slo_tpot_s,
         jitter_window=FLAGS.jitter_window, drift_every=FLAGS.drift_every,
         max_steps=FLAGS.max_steps, patience_s=FLAGS.patience_s or None, cost=cost)
+    kq.sim.loadtest.replica_blocks(cfg)  # --tp too small for the weights: a typed error here
+    return cfg
 
 
 def trace_config() -> "kq.sim.TraceConfig":
@@ -204,6 +257,7 @@ def main(argv):
     root = FLAGS.runs_dir
     if not FLAGS["runs_dir"].present:
         root = str(runs.REPO / runs.RUNS_DIR)  # the repo's runs/, from any working directory
+    apply_preset()
     if FLAGS.merge:
         return merge(root)
     cfg = load_config()  # typed errors: one line, status 2, before any heavy work
@@ -233,21 +287,47 @@ def main(argv):
         if trace is None:
             trace = kq.sim.generate_trace(tc)
         summary = kq.sim.loadtest_io.measure(cfg, trace, FLAGS.policies, run, FLAGS.real_check,
-                                             jobs=FLAGS.jobs or os.cpu_count() or 1)
+                                             jobs=FLAGS.jobs or os.cpu_count() or 1,
+                                             progress_s=10.0 if FLAGS.progress else None)
         summary["wall_seconds"] = time.perf_counter() - _T0
+        summary["cpu_seconds"] = cpu_seconds()
         summary["compilation_cache"] = jax.config.jax_compilation_cache_dir  # speeds reruns
         summary = run.finish(summary, plot)
     report(summary, run)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its finished workers (user + system)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def flagged(summary: dict) -> list[str]:
+    """What makes a run fail its own checks: ledger drift, quota cuts that took nothing."""
+    out = []
+    for p, v in summary["policies"].items():
+        if v["ledger_drift_bytes_max"]:
+            out.append(f"{p}: ledger drift {v['ledger_drift_bytes_max']} B (must be 0)")
+        zero = v.get("reclaim", {}).get("zero_target_events", 0)
+        if zero:
+            out.append(f"{p}: {zero} quota cut(s) with a target of 0 bytes (the cut took "
+                       "nothing: no policy is measured by it)")
+    return out
+
+
 def report(summary: dict, run):
     """The summary to stdout (--json: one line) and --out; exit status 1 on ledger drift."""
     summary["wall_seconds"] = time.perf_counter() - _T0
+    if "merged_from" not in summary:  # a merge's: the sum of its runs' (`merge_runs`)
+        summary["cpu_seconds"] = cpu_seconds()
     if FLAGS.out:
         pathlib.Path(FLAGS.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(FLAGS.out).write_text(json.dumps(summary, indent=2) + "\n")
     bad = {p: v["ledger_drift_bytes_max"] for p, v in summary["policies"].items()
            if v["ledger_drift_bytes_max"]}
+    for line in flagged(summary):
+        print(f"warning: {line}", file=sys.stderr)
     if FLAGS.json:
         print(json.dumps(summary), flush=True)
     else:

@@ -35,6 +35,7 @@ from kvquota.core.scatter import clip
 from kvquota.codes import SEQ_FREE, SEQ_RUNNING
 from kvquota.errors import ConfigMismatchError, InvalidArgumentError, InvariantError
 from kvquota.model.decoder import Decoder
+from kvquota.policies.base import get_policy
 from kvquota.sentinel import INVALID
 from kvquota.serving.engine import _paged_forward
 from kvquota.serving.sampling import Sampling
@@ -43,6 +44,8 @@ from kvquota.state import StateConfig, pool_of
 # H200 SXM: 4.8 TB/s HBM3e, ~989 TFLOP/s dense bf16; host link: StateConfig.host_bandwidth.
 H200_HBM_BANDWIDTH = 4.8e12
 H200_BF16_FLOPS = 989e12
+H200_NVLINK_BANDWIDTH = 450e9  # NVLink 4: 900 GB/s per GPU, both directions together
+INF = float("inf")
 
 
 def bucket(n: int, cap: int, floor: int = 16) -> int:
@@ -59,7 +62,8 @@ class StepBatch:
     pre_seq/pre_start/pre_num/pre_key: i32[Bp] x 3, i32[Bp, 2]: prefill rows, the cache index of
       their chunk's first token, its real length, and the key of the token sampled after it.
     pre_tok/pre_pos: i32[Bp, T]: the chunk's token ids and their logical (RoPE) positions.
-    host_bytes: bytes moved over the host link since the last step (restores, offloads).
+    host_bytes: bytes the host link moves in this step (restores, offloads; the scheduler's
+      queue: what does not fit in a step spills into the next).
     row_pools: i32[Bd + Bp, POOLS]: each row's table entries in pools 1.. (column 0 unused),
       from the host mirror: what the cost model's KV read is made of beside pool 0.
     """
@@ -75,6 +79,8 @@ class StepBatch:
     pre_key: np.ndarray
     host_bytes: int = 0
     row_pools: np.ndarray = None
+    hbm_bytes: int = 0  # reclaim work on the device since the last step (compress, evict)
+    plans: int = 0  # reclaim plans made since the last step
 
     has_prefill = property(lambda self: bool((self.pre_seq >= 0).any()))
     prefill_tokens = property(lambda self: int(np.where(self.pre_seq >= 0, self.pre_num, 0).sum()))
@@ -394,14 +400,24 @@ def weight_count(config: ModelConfig) -> int:
 
 
 class CostModelExecutor(_Executor):
-    """A metadata-only state under a modelled step time (no model runs), the pool and the
-    weights spread over `devices` devices (KV heads and weights split evenly, tensor-parallel):
+    """A metadata-only state under a modelled step time (no model runs): one replica of `tp`
+    tensor-parallel devices (KV heads and weights split evenly over them), every means priced:
 
-    step seconds = (weight_bytes + KV bytes read) / devices / hbm_bandwidth   (one forward pass)
-                 + prefill tokens / (devices x prefill_tokens_per_s)      (recompute included)
-                 + host bytes moved / (devices x host_bandwidth)          (one host link each)
+    step seconds = (weight_bytes + KV bytes read + reclaim HBM bytes) / tp / hbm_bandwidth
+                 + prefill tokens / (tp x prefill_tokens_per_s)     (recompute included)
+                 + all-reduce: 2 per layer (attention and MLP outputs, Megatron-style), each
+                   allreduce_latency_s + 2 (tp - 1) / tp x tokens x hidden x 2 B / nvlink_bandwidth
+                 + host bytes moved / (tp x host_bandwidth)          (one host link each)
+                 + plans x plan_s                                    (a modelled constant)
                  + step_overhead_s.
     KV bytes read: every table entry a row attends over, at its pool's bytes per block.
+    Reclaim HBM bytes (`reclaim_work`): compress reads the full-precision blocks and writes the
+    compressed ones; evict reads the victims' keys to score them and copies the kept blocks
+    (read + write). Host bytes (offloads and restores) go through the scheduler's host-link
+    queue: a step moves at most `host_step_bytes` (host_step_s of the link), the rest spills
+    into the next steps. A preemption costs its recompute: the prefill of its context when it
+    is re-admitted. The plan costs `plan_s` per reclaim (never the measured host time: runs
+    stay deterministic).
     Defaults: one device; H200 HBM bandwidth; bf16 weights of the state's model; the state
     config's host bandwidth; prefill per device at `mfu` of the H200's dense bf16 FLOP/s, 2 FLOPs
     per weight per token (attention FLOPs left out). Sampled tokens are a hash of (request,
@@ -414,7 +430,9 @@ class CostModelExecutor(_Executor):
                  host_bandwidth: float | None = None, weight_bytes: int | None = None,
                  prefill_tokens_per_s: float | None = None, mfu: float = 0.5,
                  peak_flops: float = H200_BF16_FLOPS, step_overhead_s: float = 0.0,
-                 devices: int = 1, **kwargs):
+                 tp: int = 1, nvlink_bandwidth: float = H200_NVLINK_BANDWIDTH,
+                 allreduce_latency_s: float = 0.0, host_step_s: float = INF,
+                 plan_s: float = 0.0, evict_keep_tokens: int = 64, **kwargs):
         super().__init__(state_config, **kwargs)
         weights = weight_count(state_config.model)
         self.hbm_bandwidth = float(hbm_bandwidth)
@@ -423,26 +441,75 @@ class CostModelExecutor(_Executor):
         self.prefill_tokens_per_s = (mfu * peak_flops / (2 * weights)
                                      if prefill_tokens_per_s is None else prefill_tokens_per_s)
         self.step_overhead_s = float(step_overhead_s)
-        if not (isinstance(devices, int) and devices >= 1):
-            raise InvalidArgumentError(f"devices must be an int >= 1, got {devices!r}")
-        self.devices = devices
+        if not (isinstance(tp, int) and tp >= 1):
+            raise InvalidArgumentError(f"tp must be an int >= 1, got {tp!r}")
+        self.tp = tp
+        self.nvlink_bandwidth, self.allreduce_latency_s = float(nvlink_bandwidth), \
+            float(allreduce_latency_s)
+        self.host_step_s, self.plan_s = float(host_step_s), float(plan_s)
+        self.evict_keep_blocks = -(-int(evict_keep_tokens) // state_config.block_size)
         self._pool_bytes = np.asarray(state_config.pool_bytes, np.int64)
-        if min(self.hbm_bandwidth, self.host_bandwidth, self.prefill_tokens_per_s) <= 0 or \
-                self.weight_bytes < 0 or self.step_overhead_s < 0:
-            raise InvalidArgumentError("bandwidths and the prefill rate must be > 0; weight "
-                                       "bytes and the step overhead >= 0")
+        if min(self.hbm_bandwidth, self.host_bandwidth, self.prefill_tokens_per_s,
+               self.nvlink_bandwidth, self.host_step_s) <= 0 or self.weight_bytes < 0 or \
+                min(self.step_overhead_s, self.allreduce_latency_s, self.plan_s) < 0:
+            raise InvalidArgumentError("bandwidths, the prefill rate and host_step_s must be > 0; "
+                                       "weight bytes, latencies, plan_s and the step overhead "
+                                       ">= 0")
+
+    @property
+    def host_step_bytes(self) -> float:
+        """Bytes the host links (one per device) move in one step's share of them."""
+        return self.host_step_s * self.tp * self.host_bandwidth
 
     def decode_width(self, rows: int) -> int:
         """A power of two >= rows (64 .. max_batch): a step costs its rows, not max_batch
         (each width compiles once; a metadata step compiles in about a second)."""
         return bucket(rows, self.max_batch, floor=min(64, self.max_batch))
 
-    def modelled_seconds(self, block_reads, prefill_tokens: int, host_bytes: int) -> float:
+    def reclaim_work(self, report) -> tuple[int, int]:
+        """(host-link bytes, HBM bytes read + written) of an `apply_plan` report's steps:
+        offload / suspend move their host bytes; compress reads each block at pool 0's size and
+        writes it at the compressed pool's; evict reads the victims' scores (the key half of
+        each block for a scorer that needs key norms, else the f32 attention mass per layer,
+        KV head and token that decode accumulated) and copies the blocks it keeps (read +
+        write: the per-head compaction); free, drop and preempt move nothing here (a
+        preemption pays its recompute at re-admission, a suspension its restore)."""
+        b0, m = int(self._pool_bytes[0]), self.state_config.model
+        host = hbm = 0
+        for st in report.steps:
+            host += int(st.host_bytes)
+            if st.means == "compress" and len(self._pool_bytes) > 1:
+                hbm += int(st.blocks) * (b0 + int(self._pool_bytes[1]))
+            elif st.means == "evict":
+                scorer = get_policy(report.plan.policy.evict_policy)
+                per_block = b0 // 2 if "key_norm" in scorer.needs else \
+                    4 * m.num_layers * m.num_kv_heads * self.state_config.block_size
+                kept = self.evict_keep_blocks * len(st.seqs)
+                hbm += (int(st.blocks) + kept) * per_block + 2 * kept * b0
+        return host, hbm
+
+    def allreduce_seconds(self, tokens: int) -> float:
+        """Two ring all-reduces per layer of tokens x hidden bf16 activations over NVLink."""
+        if self.tp == 1 or tokens <= 0:
+            return 0.0
+        m = self.state_config.model
+        payload = 2 * (self.tp - 1) / self.tp * tokens * m.hidden_size * 2
+        return 2 * m.num_layers * (self.allreduce_latency_s + payload / self.nvlink_bandwidth)
+
+    def modelled_seconds(self, block_reads, prefill_tokens: int, host_bytes: int,
+                         decode_tokens: int = 0, hbm_bytes: int = 0, plans: int = 0) -> float:
         kv = int((np.asarray(block_reads, np.int64) * self._pool_bytes).sum())
-        d = self.devices
-        return ((self.weight_bytes + kv) / d / self.hbm_bandwidth
+        d = self.tp
+        return ((self.weight_bytes + kv + hbm_bytes) / d / self.hbm_bandwidth
                 + prefill_tokens / (d * self.prefill_tokens_per_s)
-                + host_bytes / (d * self.host_bandwidth) + self.step_overhead_s)
+                + self.allreduce_seconds(decode_tokens + prefill_tokens)
+                + host_bytes / (d * self.host_bandwidth) + plans * self.plan_s
+                + self.step_overhead_s)
+
+    def reclaim_seconds(self, batch) -> float:
+        """Of a step's modelled seconds, what its reclaim work costs (host link, HBM, plans)."""
+        return (batch.hbm_bytes / self.tp / self.hbm_bandwidth + batch.plans * self.plan_s
+                + batch.host_bytes / (self.tp * self.host_bandwidth))
 
     def step(self, state, batch: StepBatch):
         """Runs one step (donates `state`) -> (state, StepOutput). One readback."""
@@ -454,8 +521,9 @@ class CostModelExecutor(_Executor):
                                  batch.pre_seq, batch.pre_key, pools, config=self.state_config)
         flat = self.read(flat)
         out = unpack_step(self.state_config, flat, len(batch.dec_seq), len(batch.pre_seq), 0.0)
-        out.seconds = self.modelled_seconds(out.block_reads, batch.prefill_tokens,
-                                            batch.host_bytes)
+        out.seconds = self.modelled_seconds(
+            out.block_reads, batch.prefill_tokens, batch.host_bytes,
+            int(out.appended.sum()), batch.hbm_bytes, batch.plans)
         return state, out
 
     def run_pass(self, state, batch):
@@ -470,7 +538,9 @@ class CostModelExecutor(_Executor):
         flats, outs = self.read(flats), []
         for j in range(batch.steps):
             out = unpack_step(self.state_config, flats[j], bd, batch.pre_seq.shape[1], 0.0)
-            out.seconds = self.modelled_seconds(out.block_reads, int(batch.pre_num[j].sum()),
-                                                b.host_bytes if j == 0 else 0)
+            first = j == 0
+            out.seconds = self.modelled_seconds(
+                out.block_reads, int(batch.pre_num[j].sum()), b.host_bytes if first else 0,
+                int(out.appended.sum()), b.hbm_bytes if first else 0, b.plans if first else 0)
             outs.append(out)
         return state, outs

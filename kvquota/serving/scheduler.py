@@ -149,7 +149,8 @@ class Scheduler:
         self.progressed = False
         self._finished = []  # requests that ended at the last step: their slots are freed next
         self._admissions = 0  # admission order stamps handed out (`Request.admitted`)
-        self._restored_bytes = 0  # host bytes restored this step (the executor's transfer cost)
+        self.host_queue = 0  # bytes waiting for the host link (offloads, restores), FIFO
+        self._reclaim = [0, 0]  # HBM bytes and plans of the reclaims since the last step
         self.m = HostMirror(self.state, self.config if executor.cost_model else None)
         self.quota = QuotaView(self.config)
         self._geometry = Geometry.of(self.config)  # of the refused appends' victims
@@ -259,7 +260,7 @@ class Scheduler:
     def schedule(self, max_steps: Optional[int] = None, wake_s: float = INF) -> StepPlan:
         """The host work before the device runs (module docstring, (1)-(4)) -> its StepPlan."""
         started = (time.perf_counter(), self.syncs, self.executor.syncs, self.facade_calls)
-        self._restored_bytes, self.progressed = 0, bool(self._finished)
+        self.progressed = bool(self._finished)
         self.release_finished()
         w = self.waiting
         if not (self.live or w.queued) and w.due_step > self.t and \
@@ -277,8 +278,14 @@ class Scheduler:
             self._admit()
         k = self.steps_per_pass
         limit = min(k, max(1, max_steps or k))
+        # the host link moves at most its share of the pass's steps (charged to step 0)
+        moved = min(self.host_queue, limit * getattr(self.executor, "host_step_bytes", INF))
         batch, dec, counts, pres = compose_pass(self.executor, self.live, self.token_budget,
-                                                self.m, self._restored_bytes, limit)
+                                                self.m, int(moved), limit)
+        if batch is not None:  # the step runs: it carries the reclaim work and host transfers
+            self.host_queue -= int(moved)
+            batch.hbm_bytes, batch.plans = self._reclaim
+            self._reclaim = [0, 0]
         passed = pass_batch(batch, counts, pres, self.m, k) if batch is not None and k > 1 \
             else None
         return StepPlan(kinds, batch, passed, dec, counts, pres, started)
@@ -330,13 +337,16 @@ class Scheduler:
             charged = out.charged
             if j == last and self._refused_appends(refused):
                 charged = self._read(self.state.tenants.charged_blocks)  # preempted: stale
+            reclaim_s = self.executor.reclaim_seconds(plan.batch) if j == 0 and \
+                self.executor.cost_model else 0.0
             rec = self._record(out, decoding, plan.pres[j], charged,
-                               plan.events if j == 0 else [], started)
+                               plan.events if j == 0 else [], started, reclaim_s)
             started = (time.perf_counter(), self.syncs, self.executor.syncs, self.facade_calls)
         return rec
 
-    def _record(self, out, dec, pre, charged, kinds, started) -> dict:
-        """Record step t (its ledger drift and invariants checked when due), then move to t+1."""
+    def _record(self, out, dec, pre, charged, kinds, started, reclaim_s: float = 0.0) -> dict:
+        """Record step t (its ledger drift and invariants checked when due), then move to t+1.
+        reclaim_s: of its modelled seconds, the reclaim work it carried (cost model)."""
         start, syncs0, exec0, calls0 = started
         drift = None
         if self.drift_every and self.t % self.drift_every == 0:
@@ -350,6 +360,7 @@ class Scheduler:
             counters=self.counters, step_syncs=self.executor.syncs - exec0,
             host_syncs=self.syncs - syncs0, facade_calls=self.facade_calls - calls0,
             drift=drift, clock_s=self.clock, wall_s=time.perf_counter() - start)
+        rec["reclaim_s"], rec["host_queue_bytes"] = reclaim_s, self.host_queue
         self.counters.new_step()  # what happens before the next step (a cancel) counts in it
         self.records.append(rec)
         if self.on_step is not None:
@@ -440,6 +451,11 @@ class Scheduler:
             plan = self.alloc.plan_reclaim(self.state, request, policy, now=self.t)
             report = self._op("apply_plan", plan)
             rec.update(plan=plan.summary(), plan_text=str(plan), report=report.summary())
+            if self.executor.cost_model:  # what the reclaim costs the device (`reclaim_work`)
+                host, hbm = self.executor.reclaim_work(report)
+                self.host_queue += host
+                self._reclaim = [self._reclaim[0] + hbm, self._reclaim[1] + 1]
+                rec["work"] = {"host_bytes": host, "hbm_bytes": hbm, "plans": 1}
             self._apply_fates(report, ev)
         for r in ev.requests:
             r.arrival = self.t
@@ -531,7 +547,7 @@ class Scheduler:
             self._op("set_idle", np.asarray([seq], np.int32))
         moved = int(self._read(rep.moved_blocks).sum()) * self.config.pool_bytes[0]
         r.paid_resume_bytes += moved
-        self._restored_bytes += moved
+        self.host_queue += moved
         self.counters.add("paid_resume_bytes", moved)
         self.m.status[seq], self.progressed = SEQ_IDLE if idle else SEQ_RUNNING, True
         self.m.restored(seq)

@@ -20,15 +20,16 @@ __all__ = [
 ]
 
 # ---- the metadata-only load test: a trace replayed under each reclaim policy --------------------
-from kvquota.sim import figures, loadtest, loadtest_io, realcheck  # noqa: E402
+from kvquota.sim import azure, figures, loadtest, loadtest_io, realcheck  # noqa: E402
+from kvquota.sim.azure import convert_azure_csv  # noqa: E402
 from kvquota.sim.figures import summarize  # noqa: E402
 from kvquota.sim.loadtest import (  # noqa: E402
     POLICIES,
     CostConstants,
     LoadConfig,
     Replay,
-    devices_needed,
+    blocks_that_fit,
 )
 
-__all__ += ["figures", "loadtest", "loadtest_io", "realcheck", "POLICIES", "CostConstants", "LoadConfig",
-            "Replay", "devices_needed", "summarize"]
+__all__ += ["azure", "convert_azure_csv", "figures", "loadtest", "loadtest_io", "realcheck", "POLICIES", "CostConstants", "LoadConfig",
+            "Replay", "blocks_that_fit", "summarize"]

@@ -59,19 +59,99 @@ def latency_figures(reqs: list[dict], cfg: LoadConfig, seconds: float) -> dict:
             "goodput": good / seconds if seconds > 0 else 0.0, "good_tokens": good}
 
 
-def summarize(replay: Replay, reqs: list[dict]) -> dict:
-    """The policy's figures, overall and per tenant (see the module docstring)."""
-    cfg, s, samples = replay.cfg, replay.sched, replay.samples
-    seconds = s.clock
+def merged_summary(scheds) -> dict:
+    """The replicas' scheduler summaries added up (counts and dicts of counts)."""
+    out = {}
+    for s in scheds:
+        for name, v in s.summary().items():
+            if isinstance(v, dict):
+                acc = out.setdefault(name, collections.Counter())
+                acc.update(v)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[name] = out.get(name, 0) + v
+    return {k: dict(v) if isinstance(v, collections.Counter) else v for k, v in out.items()}
+
+
+def cause(p: dict) -> str:
+    """What a busy step did beside decoding: "reclaim" (it carried reclaim work: a plan,
+    compress or evict bytes, host-link transfers), else "prefill" (a prefill chunk), else
+    "neither"."""
+    return "reclaim" if p.get("reclaim_s", 0.0) > 0 else "prefill" if p["prefill_rows"] \
+        else "neither"
+
+
+def step_figures(samples: list[dict], cfg: LoadConfig, pool0_bytes: int) -> dict:
+    """Per replica, in step order: jitter (attributed to each step's `cause`), the modelled
+    time pool 0 spent above 80 % used (each step's interval, from the previous step's clock to
+    its own, at the usage after it), and how long the steps took to come back after each event
+    (`recovery_s`: from the start of the event's step to the start of the first step within
+    10 % of the median of the `jitter_window` busy steps before it)."""
+    by_replica = collections.defaultdict(list)
+    for p in samples:
+        by_replica[p.get("replica", 0)].append(p)
+    jit, causes, above, total, recovery = [], [], 0.0, 0.0, []
+    for rows in by_replica.values():
+        busy = [p for p in rows if p["decode_rows"] or p["prefill_rows"]]
+        jit.extend(jitter([p["step_s"] for p in busy], cfg.jitter_window))
+        causes.extend(cause(p) for p in busy[1:])
+        last = 0.0
+        for p in rows:
+            dt = max(0.0, p["clock_s"] - last)
+            last = max(last, p["clock_s"])
+            total += dt
+            above += dt * (p["bytes"]["device"] > 0.8 * pool0_bytes)
+        for i, p in enumerate(busy):
+            if not p["events"]:
+                continue
+            before = [q["step_s"] for q in busy[max(0, i - cfg.jitter_window): i]]
+            if not before:
+                continue
+            base = float(np.median(before))
+            back = next((q for q in busy[i:] if abs(q["step_s"] - base) <= 0.1 * base), None)
+            recovery.append(None if back is None else  # from the event step's start to the
+                            back["clock_s"] - back["step_s"] - p["clock_s"] + p["step_s"])  # back one's
+    jit, causes = np.asarray(jit), np.asarray(causes)
+    by_cause = {c: {"steps": int((causes == c).sum()),
+                    "p99_step_jitter_s": _pct(jit[causes == c], 99)}
+                for c in ("reclaim", "prefill", "neither")}
+    back = [r for r in recovery if r is not None]
+    return {"p99_step_jitter_s": _pct(jit, 99), "jitter_by_cause": by_cause,
+            "pool0_above_80_share": above / total if total > 0 else 0.0,
+            "recovery_s_max": max(back) if back else None,
+            "never_recovered_events": len(recovery) - len(back)}
+
+
+def reclaim_figures(events: list[dict]) -> dict:
+    """Every reclaim event's plan summed over replicas, and the quota cuts (not lease expiries)
+    whose target, summed over replicas, was 0: `zero_target_events` (a cut that took nothing
+    measures no policy)."""
+    by_event = collections.defaultdict(collections.Counter)  # trace event -> sums
+    for e in events:
+        by_event[e["order"], e["kind"], e["tenant"]].update(
+            {k: e[k] for k in ("target_bytes", "planned_bytes", "reclaimed_bytes",
+                               "shortfall_bytes")})
+    zero = [k for k, v in by_event.items() if k[1] == "quota_cut" and v["target_bytes"] == 0]
+    return {"events": len(by_event),
+            **{k: int(sum(v[k] for v in by_event.values()))
+               for k in ("target_bytes", "reclaimed_bytes", "shortfall_bytes")},
+            "planned_bytes": int(sum(v["planned_bytes"] for v in by_event.values())),
+            "zero_target_events": len(zero)}
+
+
+def summarize(replay: Replay, reqs: list[dict], events: list[dict]) -> dict:
+    """The policy's figures, overall and per tenant (see the module docstring), summed over
+    replicas."""
+    cfg, scheds, samples = replay.cfg, replay.scheds, replay.samples
+    seconds = max(s.clock for s in scheds)
     ran = [p["step_s"] for p in samples if p["decode_rows"] or p["prefill_rows"]]
-    jit = jitter(ran, cfg.jitter_window)
-    summary = s.summary()
+    summary = merged_summary(scheds)
     out = latency_figures(reqs, cfg, seconds)
     out.update({
         "preemptions": summary["preemptions"], "suspensions": summary["suspensions"],
         "refusals": summary["refusals"],  # every refusal (an admission retried counts again)
-        "p99_step_jitter_s": _pct(jit, 99), "p50_step_s": _pct(ran, 50),
-        "p99_step_s": _pct(ran, 99), "steps": s.t, "busy_steps": len(ran),
+        **step_figures(samples, cfg, replay.sc.pool_sizes[0] * replay.sc.pool_bytes[0]),
+        "p50_step_s": _pct(ran, 50),
+        "p99_step_s": _pct(ran, 99), "steps": sum(s.t for s in scheds), "busy_steps": len(ran),
         "modelled_seconds": seconds, "steps_capped": replay.steps_capped,
         "never_submitted": len(replay.trace.requests) - len(reqs),
         "ledger_drift_bytes_max": max(max(d["bytes"], d["tokens"]) for d in replay.drift),
@@ -83,6 +163,7 @@ def summarize(replay: Replay, reqs: list[dict]) -> dict:
                       for k in metrics.TIERS},
         **{name: summary[name] for name in metrics.RESUME_FIELDS},
         "finishes": summary["finishes"], "events": summary["events"],
+        "reclaim": reclaim_figures(events),
     })
     by_tenant = collections.defaultdict(list)
     for r in reqs:

@@ -18,13 +18,16 @@ import multiprocessing
 import os
 import pathlib
 import shutil
+import sys
 import time
+from typing import Optional
 
 import jax
 import numpy as np
 
 from kvquota.errors import InvalidArgumentError
 from kvquota.serving.metrics import read_json_lines
+from kvquota.serving.requests import RequestStatus
 from kvquota.sim import figures
 from kvquota.sim import loadtest as lt
 from kvquota.sim.trace_io import save_trace
@@ -47,15 +50,21 @@ def file_sha256(path) -> str:
 
 
 def setup_figures(cfg: lt.LoadConfig) -> dict:
-    """The modelled machine: devices, bytes, the cost constants resolved."""
+    """The modelled deployment (replicas x tp devices), bytes per replica, the cost constants
+    resolved."""
     sc = lt.state_config(cfg)
     ex = lt.executor(cfg, sc)
-    return {"devices": ex.devices, "devices_needed": lt.devices_needed(cfg),
-            "device_pool_bytes": lt.device_bytes(sc), "weight_bytes": ex.weight_bytes,
+    return {"replicas": cfg.replicas, "tp": ex.tp, "devices": cfg.replicas * ex.tp,
+            "hbm_used_share": lt.hbm_needed(cfg),
+            "device_pool_bytes_per_replica": lt.device_bytes(sc), "weight_bytes": ex.weight_bytes,
             "block_bytes": sc.pool_bytes[0], "pool_blocks": list(sc.pool_sizes),
             "pool_bytes_per_block": list(sc.pool_bytes),
             "prefill_tokens_per_s_per_device": ex.prefill_tokens_per_s,
             "hbm_bandwidth": ex.hbm_bandwidth, "host_bandwidth": ex.host_bandwidth,
+            "nvlink_bandwidth": ex.nvlink_bandwidth,
+            "allreduce_latency_s": ex.allreduce_latency_s, "host_step_s": ex.host_step_s,
+            "host_step_bytes": ex.host_step_bytes, "plan_s": ex.plan_s,
+            "allreduce_s_per_decode_token_step": ex.allreduce_seconds(1),
             "step_overhead_s": ex.step_overhead_s}
 
 
@@ -68,7 +77,8 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")  # the last: XLA, or a cache load
 # Per-policy fields that measure the process, not the replay (they differ run to run).
-PROCESS_FIELDS = ("wall_s", "shared_wall_s", "compile_s", "shared_compile_s", "compiled_programs")
+PROCESS_FIELDS = ("wall_s", "shared_wall_s", "compile_s", "shared_compile_s", "compiled_programs",
+                  "cpu_s")
 _compiling = {"seconds": 0.0, "programs": 0, "listening": False}  # this process's, so far
 
 
@@ -86,27 +96,59 @@ def _compile_totals() -> tuple[float, int]:
     return _compiling["seconds"], _compiling["programs"]
 
 
-def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths) -> list:
+class Progress:
+    """One line on stderr every `every_s` seconds of wall per policy: steps, modelled time,
+    requests ended (off: `every_s` None)."""
+
+    def __init__(self, policy: str, replay, every_s: Optional[float]):
+        self.policy, self.replay, self.every_s = policy, replay, every_s
+        self.last = time.perf_counter()
+
+    def __call__(self, force: bool = False):
+        now = time.perf_counter()
+        if self.every_s is None or not force and now - self.last < self.every_s:
+            return
+        self.last = now
+        rp = self.replay
+        ended = sum(1 for s in rp.scheds for r in s.requests if r.status in
+                    (RequestStatus.FINISHED, RequestStatus.REFUSED))
+        print(f"[loadtest {self.policy}] steps {sum(s.t for s in rp.scheds):,}, modelled "
+              f"{rp.now():,.1f} s, requests ended {ended:,}/{len(rp.trace.requests):,}",
+              file=sys.stderr, flush=True)
+
+
+def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths,
+                    progress_s: Optional[float] = None) -> list:
     """Each policy's replay: [(summary, request records)] in `policies` order. The stretch
     before the trace's first event is replayed once and forked per policy (`Replay.fork`: the
     same steps a fresh replay gives; the last policy goes on with that replay itself); each
     policy's step samples, that stretch's included, are appended to its `points_paths` file
     (JSONL). Top-level, so worker processes can run it."""
     start, (compile0, programs0) = time.perf_counter(), _compile_totals()
+    cpu0 = time.process_time()
     base = lt.Replay(cfg, trace, policies[0], ex=lt.executor(cfg))  # one jit cache for all
+    tick = Progress("+".join(policies) + " (before the first event)", base, progress_s)
+    base.on_step = lambda _: tick()
     base.run(until_first_event=True)
-    shared_s, shared_steps, out = time.perf_counter() - start, base.sched.t, []
+    shared_s, shared_steps, out = time.perf_counter() - start, sum(s.t for s in base.scheds), []
+    shared_cpu = time.process_time() - cpu0
     shared_compile = _compile_totals()
     for k, (policy, path) in enumerate(zip(policies, points_paths)):
         begin, (compile1, programs1) = time.perf_counter(), _compile_totals()
+        cpu1 = time.process_time()
         with open(path, "a") as points:
             write = _point_writer(points)
-            rp = base.fork(policy, on_step=write, copy=k + 1 < len(policies))  # the last: base
+            rp = base.fork(policy, copy=k + 1 < len(policies))  # the last: base
+            tick = Progress(policy, rp, progress_s)
+            rp.on_step = lambda p: (write(p), tick())
             for p in rp.samples:
                 write(p)
             rp.run()
-        reqs = rp.request_records()
-        result = figures.summarize(rp, reqs)
+            tick(force=True)
+        reqs, events = rp.request_records(), rp.event_records()
+        result = figures.summarize(rp, reqs, events)
+        result["event_plans"] = events
+        result["cpu_s"] = shared_cpu + time.process_time() - cpu1
         result["drift_checks_log"] = rp.drift
         result["shared_steps"] = shared_steps  # steps before the first event, run once
         result["shared_wall_s"] = shared_s  # their wall, shared by `policies`
@@ -120,7 +162,7 @@ def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths) -> list:
 
 
 def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False,
-            jobs: int = 1) -> dict:
+            jobs: int = 1, progress_s: Optional[float] = None) -> dict:
     """Replays `trace` under each policy (as if on a fresh state and scheduler each: see
     `replay_policies`), writing the run directory's files; returns the summary (metrics.json).
     With `jobs` > 1 the policies are dealt round-robin to that many worker processes (each
@@ -138,10 +180,10 @@ def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False,
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds XLA
         with concurrent.futures.ProcessPoolExecutor(n, ctx) as pool:
             futures = [pool.submit(replay_policies, cfg, trace, [policies[i] for i in share],
-                                   [parts[i] for i in share]) for share in shares]
+                                   [parts[i] for i in share], progress_s) for share in shares]
             got = [f.result() for f in futures]
     else:
-        got = [replay_policies(cfg, trace, policies, parts)]
+        got = [replay_policies(cfg, trace, policies, parts, progress_s)]
     by_index = {i: r for share, rs in zip(shares, got) for i, r in zip(share, rs)}
     done = [by_index[i] for i in range(len(policies))]
     results = {}
@@ -155,7 +197,7 @@ def measure(cfg: lt.LoadConfig, trace, policies, run, real_check: bool = False,
             with open(part) as src:
                 shutil.copyfileobj(src, f)
             part.unlink()
-    summary = {"requests": len(trace.requests), "blocks": cfg.blocks,
+    summary = {"requests": len(trace.requests), "blocks": lt.replica_blocks(cfg) * cfg.replicas,
                "setup": setup_figures(cfg), "trace_summary": trace_summary(trace),
                "slo": {"ttft_s": cfg.slo_ttft_s, "tpot_s": cfg.slo_tpot_s},
                "policies": results}
@@ -250,6 +292,7 @@ def merge_runs(sources, out_dir, checked=None) -> dict:
                                "command": c["command"], "git_commit": c["git_commit"],
                                "git_dirty": c["git_dirty"], "wall_seconds": s["wall_seconds"]}
                               for src, c, s in zip(sources, configs, summaries)]
+    summary["cpu_seconds"] = sum(s.get("cpu_seconds", 0.0) for s in summaries)
     summary["table"] = table(summary)
     (out / "summary.md").write_text(summary["table"] + "\n")
     return summary
@@ -263,7 +306,8 @@ def table(summary: dict) -> str:
     """The per-policy table (markdown), then the per-tenant TTFT / TPOT rows."""
     lines = ["| policy | p50 TTFT s | p99 TTFT s | p50 TPOT s | p99 TPOT s | p99 jitter s | "
              "preemptions | suspensions | refusals (all tries) | refused requests | completed |"
-             " goodput tok/s | drift B | frag max GiB |", "|" + "---|" * 14]
+             " goodput tok/s | drift B | frag max GiB | pool 0 > 80 % | reclaimed / target GB"
+             " | zero-target cuts |", "|" + "---|" * 17]
     for p, v in summary["policies"].items():
         refusals = ", ".join(f"{k}: {n}" for k, n in sorted(v["refusals"].items())) or "0"
         refused = ", ".join(f"{k}: {n}" for k, n in sorted(v["refused_requests"].items())) or "0"
@@ -272,7 +316,9 @@ def table(summary: dict) -> str:
             f"{_f(v['p99_tpot_s'])} | {_f(v['p99_step_jitter_s'])} | {v['preemptions']} | "
             f"{v['suspensions']} | {refusals} | {refused} | {v['completed']}/{v['requests']} | "
             f"{v['goodput']:,.0f} | {v['ledger_drift_bytes_max']} | "
-            f"{v['fragmentation_bytes_max'] / 2**30:.2f} |")
+            f"{v['fragmentation_bytes_max'] / 2**30:.2f} | {v['pool0_above_80_share']:.2f} | "
+            f"{v['reclaim']['reclaimed_bytes'] / 1e9:,.1f} / "
+            f"{v['reclaim']['target_bytes'] / 1e9:,.1f} | {v['reclaim']['zero_target_events']} |")
     lines += ["", "| policy | tenant | requests | completed | p50 TTFT s | p99 TTFT s | "
               "p99 TPOT s | preemptions | refused | goodput tok/s |", "|" + "---|" * 10]
     for p, v in summary["policies"].items():
@@ -305,8 +351,9 @@ def plot(points, metrics, out_dir) -> list[str]:
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    setup = metrics["setup"]
     fig.suptitle(f"{metrics['requests']:,} requests, {metrics['blocks']:,} blocks, "
-                 f"{metrics['setup']['devices']} devices")
+                 f"{setup.get('replicas', 1)} replicas x TP {setup.get('tp', setup['devices'])}")
     fig.tight_layout()
     fig.savefig(out_dir / "latency_cdf.png", dpi=110)
     plt.close(fig)
@@ -314,19 +361,22 @@ def plot(points, metrics, out_dir) -> list[str]:
     fig, axes = plt.subplots(len(policies), 1, figsize=(9, 1.9 * len(policies) + 0.6),
                              sharex=True, squeeze=False)
     for ax, p in zip(axes[:, 0], policies):
-        pts = [q for q in points if q.get("policy") == p]
+        pts = [q for q in points if q.get("policy") == p and q.get("replica", 0) == 0]
         if not pts:
             continue
         clock = [q["clock_s"] for q in pts]
         ys = [[q["bytes"][k] / 2**40 for q in pts] for k in ("device", "compressed", "host")]
         ax.stackplot(clock, ys, labels=["device (pool 0)", "compressed", "host"])
+        pool0 = setup["pool_blocks"][0] * setup["block_bytes"] / 2**40
+        ax.axhline(0.8 * pool0, color="r", lw=0.7, ls=":", label="80 % of pool 0")
         for q in pts:
             for kind in q["events"]:
                 ax.axvline(q["clock_s"], color="k", lw=0.7, ls="--")
         ax.set_ylabel("TiB")
         ax.set_title(p, fontsize=9, loc="left")
     axes[0, 0].legend(fontsize=7, loc="upper right")
-    axes[-1, 0].set_xlabel("modelled seconds (dashed: quota cuts and lease expiries)")
+    axes[-1, 0].set_xlabel("modelled seconds, replica 0 (dashed: quota cuts and lease "
+                           "expiries)")
     fig.tight_layout()
     fig.savefig(out_dir / "bytes_timeline.png", dpi=110)
     plt.close(fig)

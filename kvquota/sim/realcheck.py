@@ -71,7 +71,8 @@ def configs(config):
     load = lt.LoadConfig(model=MODEL, kv_format="f32", blocks=sc.num_blocks, max_seqs=8,
                          max_blocks_per_seq=26, num_tenants=4, token_budget=72, max_admit=4,
                          prefill_rows=1, chunk_size=64, drift_every=25, max_steps=4000,
-                         cost=lt.CostConstants(step_overhead_s=0.0))  # only what varies
+                         tp=1, replicas=1, cost=lt.CostConstants(
+                             step_overhead_s=0.0, plan_s=0.0, host_step_s=float("inf")))
     return sc, load
 
 
@@ -97,7 +98,7 @@ def _replay(load, trace, policy, ex, vocab) -> dict:
     ex.log = []
     rp = lt.Replay(load, trace, policy, ex=ex, vocab=vocab, step_clock=STEP_CLOCK)
     rp.run()
-    clock = np.asarray(rp.clock_at)  # clock_at[k]: the clock when step k began
+    clock = np.asarray(rp.clock_at[0])  # clock_at[0][k]: the clock when step k began
     spans = []  # (arrival step, step the first token's clock is at the start of)
     for r in rp.sched.requests:
         if r.first_token_s >= 0:
@@ -186,7 +187,7 @@ def run_check(policies, repeats: int = 2) -> dict:
     terms = np.concatenate([_terms(cal_modelled[p], pool_bytes) for p in policies])
     seconds = np.concatenate([cal_measured[p]["seconds"] for p in policies])
     constants = fit_constants(terms, seconds)
-    calibrated = kq.serving.CostModelExecutor(cost_ex.state_config, devices=1, **{
+    calibrated = kq.serving.CostModelExecutor(cost_ex.state_config, tp=1, **{
         k: float("inf") if v is None else v for k, v in constants.items()})
     measured, modelled, same = both(check)
 

@@ -20,7 +20,10 @@ TINY = ("--blocks=512", "--requests=40", "--max_seqs=8", "--token_budget=256",
         "--drift_every=50")
 POLICIES = ("tiered", "preempt-all", "swap-all", "evict-first", "grow-no-admit")
 KEYS = ("p50_ttft_s", "p99_ttft_s", "p99_tpot_s", "p99_step_jitter_s", "preemptions",
-        "refusals", "goodput", "ledger_drift_bytes_max", "fragmentation_bytes_max")
+        "suspensions", "refusals", "goodput", "ledger_drift_bytes_max",
+        "fragmentation_bytes_max", "pool0_above_80_share", "reclaim")
+RECLAIM_KEYS = ("events", "target_bytes", "reclaimed_bytes", "shortfall_bytes",
+                "zero_target_events")
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +38,20 @@ def tiny(tmp_path_factory):
 
 def test_json_contract(tiny):
     out, _ = tiny
-    assert out["requests"] == 40 and out["blocks"] == 512
+    assert out["requests"] == 40 and out["blocks"] == 2 * 512  # the total over 2 replicas
     assert type(out["wall_seconds"]) is float and out["wall_seconds"] > 0
+    assert type(out["cpu_seconds"]) is float and out["cpu_seconds"] > 0
     assert out["compilation_cache"] == (os.environ["KVQUOTA_JAX_CACHE"] or None)  # the suite's
     assert tuple(out["policies"]) == POLICIES
     for name, p in out["policies"].items():
         assert set(KEYS) <= set(p), name
+        assert set(RECLAIM_KEYS) <= set(p["reclaim"]), name
+        assert 0 <= p["pool0_above_80_share"] <= 1
         assert p["ledger_drift_bytes_max"] == 0 and p["drift_checks"] >= 2
         assert type(p["preemptions"]) is int and isinstance(p["refusals"], dict)
         assert p["p50_ttft_s"] <= p["p99_ttft_s"] and p["goodput"] >= 0
         assert p["fragmentation_bytes_max"] >= 0 and p["p99_step_jitter_s"] >= 0
-    assert out["setup"]["devices"] == out["setup"]["devices_needed"] >= 2
+    assert out["setup"]["devices"] == 16 and out["setup"]["tp"] == 8  # 2 replicas x TP 8
     cost = out["config"]["load"]["cost"]
     assert cost["hbm_bandwidth"] == 4.8e12 and cost["mfu"] == 0.5
 
@@ -76,7 +82,10 @@ def test_run_directory_and_an_exact_replay_of_its_trace_in_one_process(tiny, tmp
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--blocks=0"], "blocks"),
+    (["--blocks=-1"], "blocks"),
+    (["--devices=48"], "--tp"),
+    (["--tp=1"], "do not hold the weights"),
+    (["--replicas=0"], "replicas"),
     (["--policies=tiered,bogus"], "policies"),
     (["--rate=-1"], "rate"),
     (["--mfu=2"], "mfu"),
@@ -221,3 +230,43 @@ def test_policies_run_as_separate_jobs_and_merged_give_the_joint_runs_figures(ti
     merged_dir = next((tmp_path / "merged").glob("loadtest-*"))
     assert (merged_dir / "requests.jsonl").read_text().splitlines() == \
         by_policy["grow-no-admit"] + by_policy["tiered"]
+
+
+# A charge off by one block: after the first event's reclaim, tenant 0 is charged one more
+# pool-0 block than its block tables hold (in-process: one worker, so the patch applies).
+OFF_BY_ONE = """
+import sys
+import kvquota as kq
+from experiments import cli, loadtest
+check = kq.sim.loadtest.Replay._check_drift
+def off_by_one(self, why, k):
+    if why == "event" and not getattr(self, "broken", False):
+        s = self.scheds[k]
+        t = s.state.tenants
+        s.state = s.state.replace(tenants=t.replace(
+            charged_blocks=t.charged_blocks.at[0, 0].add(1)))
+        self.broken = True
+    return check(self, why, k)
+kq.sim.loadtest.Replay._check_drift = off_by_one
+sys.argv = ["loadtest", *sys.argv[1:]]
+cli.run(loadtest.main, loadtest.define_flags)
+"""
+
+
+def test_a_charge_off_by_one_block_fails_the_run(tmp_path):
+    """The drift check is not decoration: one block charged that no table holds makes the run
+    exit 1 naming the drift (one block's bytes), after writing its run directory."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", OFF_BY_ONE, *TINY, "--policies=tiered",
+                           "--jobs=1", "--json", "--noprogress", f"--runs_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=900, cwd=root, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    block = kq.StateConfig(kq.get_model_config("qwen2.5-72b"), num_blocks=8, block_size=16,
+                           max_seqs=1, max_blocks_per_seq=1, num_tenants=1).pool_bytes[0]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["policies"]["tiered"]["ledger_drift_bytes_max"] == block
+    assert f"ledger drift is not 0: {{'tiered': {block}}}" in proc.stderr
+    assert (next(tmp_path.glob("loadtest-*")) / "metrics.json").is_file()

@@ -175,7 +175,8 @@ def test_a_replay_is_the_same_without_the_view(policy, monkeypatch):
     included, is the same with the view as with every row sent to the device, in fewer admit
     calls."""
     cfg = lt.LoadConfig(blocks=256, max_seqs=8, max_blocks_per_seq=48, num_tenants=4,
-                        token_budget=256, max_admit=4, prefill_rows=2, chunk_size=128)
+                        token_budget=256, max_admit=4, prefill_rows=2, chunk_size=128,
+                        replicas=1)  # one scheduler: its admit calls are all of the replay's
     trace = generate_trace(TraceConfig(
         requests=60, tenants=3, groups=1, system_prompt_tokens=32, rate_per_s=400.0,
         prompt_mean=96, prompt_max=256, output_mean=24, output_max=64, followup_mean=24,
