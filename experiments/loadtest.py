@@ -136,6 +136,10 @@ def define_flags():
                      "scheduling, vLLM's num_scheduler_steps: admissions, frees and events "
                      "between passes only; 1: single steps).", lower_bound=1,
                      upper_bound=64)
+    f.DEFINE_integer("quiet_steps", 64, "Longest quiet window: steps that can only decode "
+                     "(no arrival, event, admission, restore, host transfer, finish or refusal "
+                     "possible) run as one pass, exactly as one at a time (0: off).",
+                     lower_bound=0, upper_bound=1024)
     f.DEFINE_integer("prefill_rows", 16, "Prefill rows per step.", lower_bound=1,
                      upper_bound=256)
     f.DEFINE_integer("chunk_size", 2048, "Longest prefill chunk (tokens).", lower_bound=16,
@@ -227,7 +231,8 @@ def load_config() -> "kq.sim.LoadConfig":
         num_tenants=max(FLAGS.tenants, 8),
         compressed_fraction=FLAGS.compressed_fraction, host_fraction=FLAGS.host_fraction,
         token_budget=FLAGS.token_budget, max_admit=FLAGS.max_admit,
-        steps_per_pass=FLAGS.steps_per_pass, prefill_rows=FLAGS.prefill_rows,
+        steps_per_pass=FLAGS.steps_per_pass, quiet_steps=FLAGS.quiet_steps,
+        prefill_rows=FLAGS.prefill_rows,
         chunk_size=FLAGS.chunk_size, slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=FLAGS.slo_tpot_s,
         jitter_window=FLAGS.jitter_window, drift_every=FLAGS.drift_every,
         max_steps=FLAGS.max_steps, patience_s=FLAGS.patience_s or None, cost=cost)

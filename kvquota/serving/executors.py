@@ -506,10 +506,10 @@ class CostModelExecutor(_Executor):
                 + host_bytes / (d * self.host_bandwidth) + plans * self.plan_s
                 + self.step_overhead_s)
 
-    def reclaim_seconds(self, batch) -> float:
-        """Of a step's modelled seconds, what its reclaim work costs (host link, HBM, plans)."""
-        return (batch.hbm_bytes / self.tp / self.hbm_bandwidth + batch.plans * self.plan_s
-                + batch.host_bytes / (self.tp * self.host_bandwidth))
+    def reclaim_seconds(self, hbm_bytes: int, plans: int, host_bytes: int) -> float:
+        """Of a step's modelled seconds, what its reclaim work costs (HBM, plans, host link)."""
+        return (hbm_bytes / self.tp / self.hbm_bandwidth + plans * self.plan_s
+                + host_bytes / (self.tp * self.host_bandwidth))
 
     def step(self, state, batch: StepBatch):
         """Runs one step (donates `state`) -> (state, StepOutput). One readback."""

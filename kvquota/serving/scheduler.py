@@ -122,8 +122,9 @@ class Scheduler:
     """
 
     def __init__(self, executor, *, state=None, policy="tiered", token_budget: int = 256,
-                 max_admit: int = 4, steps_per_pass: int = 1, events: Sequence[Event] = (),
-                 drift_every: int = 0, check_every: int = 0, on_step=None, on_event=None):
+                 max_admit: int = 4, steps_per_pass: int = 1, quiet_steps: int = 0,
+                 events: Sequence[Event] = (), drift_every: int = 0, check_every: int = 0,
+                 on_step=None, on_event=None):
         self.executor, self.config = executor, executor.state_config
         self.alloc = Allocator(self.config)
         self.state = self.alloc.init() if state is None else state
@@ -135,7 +136,12 @@ class Scheduler:
                 (steps_per_pass > 1 and not executor.cost_model):
             raise InvalidArgumentError(f"steps_per_pass must be an int >= 1 (> 1 only with the "
                                        f"cost model), got {steps_per_pass!r}")
-        self.steps_per_pass = steps_per_pass
+        if not (isinstance(quiet_steps, int) and quiet_steps >= 0) or \
+                (quiet_steps > 0 and not executor.cost_model):
+            raise InvalidArgumentError(f"quiet_steps must be an int >= 0 (> 0 only with the "
+                                       f"cost model), got {quiet_steps!r}")
+        self.steps_per_pass, self.quiet_steps = steps_per_pass, quiet_steps
+        self.quiet_passes = 0  # passes run as quiet windows (`_quiet_window`)
         self.timeline = EventTimeline(events)
         self.token_budget, self.max_admit = int(token_budget), int(max_admit)
         self.drift_every, self.check_every = int(drift_every), int(check_every)
@@ -278,6 +284,8 @@ class Scheduler:
             self._admit()
         k = self.steps_per_pass
         limit = min(k, max(1, max_steps or k))
+        quiet = self._quiet_window(hold, limit, max_steps, wake_s)
+        limit = max(limit, quiet)
         # the host link moves at most its share of the pass's steps (charged to step 0)
         moved = min(self.host_queue, limit * getattr(self.executor, "host_step_bytes", INF))
         batch, dec, counts, pres = compose_pass(self.executor, self.live, self.token_budget,
@@ -286,9 +294,65 @@ class Scheduler:
             self.host_queue -= int(moved)
             batch.hbm_bytes, batch.plans = self._reclaim
             self._reclaim = [0, 0]
-        passed = pass_batch(batch, counts, pres, self.m, k) if batch is not None and k > 1 \
-            else None
+        passed = None
+        if batch is not None and (k > 1 or quiet):
+            self.quiet_passes += bool(quiet)
+            passed = pass_batch(batch, counts, pres, self.m, self.quiet_steps if quiet else k)
         return StepPlan(kinds, batch, passed, dec, counts, pres, started)
+
+    def _quiet_window(self, hold: bool, limit: int, max_steps, wake_s: float) -> int:
+        """Steps (> limit) that this pass may run as one scan because none of them could do
+        anything but decode the running rows (exact quiet-step skipping), else 0. Quiet means:
+        no prefill, no stop ids, no decode row left out (max_batch), no admission possible (every
+        queued head's tenant parked), no restore possible (none suspended, or its restore
+        parked), the host link idle after step 0, no event, no arrival (the scheduler's
+        pending requests, and `wake_s`: the caller's) before the last step starts, no row
+        ending before the last step (a free at step j < last would unpark), and room for every
+        append of the window under each tenant's token and byte quota and in pool 0 (no
+        refusal). Then each step between would have scheduled nothing new, so the window's
+        step and request records are those of its steps run one at a time (tested). The clock
+        bound is an upper one: every step of the window is priced at its last step's KV
+        read."""
+        ex, w, c, tl = self.executor, self.waiting, self.config, self.timeline
+        event_step = tl.events[tl.next].step if tl.left else INT32_MAX
+        q = min(self.quiet_steps, max_steps or self.quiet_steps, w.due_step - self.t,
+                event_step - self.t)
+        if q <= limit or hold or self.host_queue > getattr(ex, "host_step_bytes", INF):
+            return 0
+        parked = w.parked.tenants()
+        if any(r.tenant not in parked for r in w.heads()):
+            return 0
+        if not w.unrestored.tenants() and (self.m.status == SEQ_SUSPENDED).any():
+            return 0
+        dec = [r for r in self.live if r.status != SUSPENDED]
+        if not dec or len(dec) > ex.max_batch or \
+                any(r.status != RUNNING or r.stop_ids for r in dec):
+            return 0
+        seqs = np.fromiter((r.seq for r in dec), np.int64, len(dec))
+        length = self.m.length[seqs].astype(np.int64)
+        left = np.minimum(np.minimum(c.max_tokens_per_seq - length,
+                                     c.model.max_context - self.m.position[seqs]),
+                          [r.max_new_tokens - len(r.tokens) for r in dec])
+        q = min(q, int(left.min()))
+        tokens, units, reads = self.quota.room(self.state)
+        pool0 = int(self.alloc.allocatable_blocks(self.state)[0])
+        self.syncs += reads + 1
+        tenants = np.fromiter((r.tenant for r in dec), np.int64, len(dec))
+        other = self.m.pools[seqs, 1:].sum(axis=1)  # entries outside pool 0 (read at theirs)
+        p, horizon = c.block_size, min(wake_s, w.due_s)
+        extra = ex.reclaim_seconds(self._reclaim[0], self._reclaim[1], self.host_queue)
+        while q > limit:
+            blocks = -(-(length + q) // p) - (-(-length // p))  # pool-0 blocks the window takes
+            need_tokens = np.bincount(tenants, minlength=len(tokens)) * q
+            need_units = np.bincount(tenants, blocks, minlength=len(units)) * self._geometry.unit0
+            reads0 = int((-(-(length + q) // p) - other).sum())
+            slowest = ex.modelled_seconds([reads0, *self.m.pools[seqs, 1:].sum(axis=0)], 0, 0,
+                                          len(dec))
+            if (need_tokens <= tokens).all() and (need_units <= units).all() and \
+                    blocks.sum() <= pool0 and self.clock + extra + (q - 1) * slowest < horizon:
+                return q
+            q //= 2
+        return 0
 
     def _execute(self, plan: StepPlan) -> list:
         """Run the plan on the executor (donates the state) -> one StepOutput per step with
@@ -311,7 +375,7 @@ class Scheduler:
         self.progressed, m, dec, counts = True, self.m, plan.dec, plan.counts
         self.quota.stepped(outs[-1].charged, outs[-1].used_tokens)
         nd, t0 = len(dec), self.t
-        clocks = self.clock + np.cumsum([o.seconds for o in outs])
+        clocks = np.cumsum([self.clock] + [o.seconds for o in outs])[1:]  # as steps one by one
         appended = np.stack([o.appended[:nd] for o in outs])  # [steps, rows]
         got = appended.sum(axis=0)
         seqs = np.fromiter((r.seq for r in dec), np.int64, nd)
@@ -337,8 +401,9 @@ class Scheduler:
             charged = out.charged
             if j == last and self._refused_appends(refused):
                 charged = self._read(self.state.tenants.charged_blocks)  # preempted: stale
-            reclaim_s = self.executor.reclaim_seconds(plan.batch) if j == 0 and \
-                self.executor.cost_model else 0.0
+            b = plan.batch
+            reclaim_s = self.executor.reclaim_seconds(b.hbm_bytes, b.plans, b.host_bytes) \
+                if j == 0 and self.executor.cost_model else 0.0
             rec = self._record(out, decoding, plan.pres[j], charged,
                                plan.events if j == 0 else [], started, reclaim_s)
             started = (time.perf_counter(), self.syncs, self.executor.syncs, self.facade_calls)

@@ -91,7 +91,8 @@ class LoadConfig:
     patience_s: a client cancels a request that has waited this long without being admitted
     (refused "timed out"; `Replay._abandon`); None: clients wait for ever. steps_per_pass > 1:
     multi-step scheduling (`kvquota.serving.scheduler`; the drift check then comes at the first
-    pass end at or after every drift_every-th step)."""
+    pass end at or after every drift_every-th step). quiet_steps > 0: a stretch of steps that
+    can only decode runs as one pass of up to that many steps (exact: `Scheduler`)."""
 
     model: str = "qwen2.5-72b"
     kv_format: str = "bf16"
@@ -108,6 +109,7 @@ class LoadConfig:
     token_budget: int = 32768
     max_admit: int = 64
     steps_per_pass: int = 1
+    quiet_steps: int = 0
     prefill_rows: int = 16
     chunk_size: int = 4096
     slo_ttft_s: float = 30.0
@@ -125,6 +127,9 @@ class LoadConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.quiet_steps, int) or self.quiet_steps < 0:
+            raise InvalidArgumentError(f"quiet_steps must be an int >= 0, got "
+                                       f"{self.quiet_steps!r}")
         if self.blocks is not None and (not isinstance(self.blocks, int) or self.blocks < 1):
             raise InvalidArgumentError(f"blocks must be None or an int >= 1: {self.blocks!r}")
         if not (0 <= self.compressed_fraction <= 1 and 0 <= self.host_fraction <= 4) or \
@@ -244,7 +249,8 @@ class Replay:
         self.vocab, self.step_clock = vocab, step_clock  # step_clock: see `now`
         self.token_bytes = self.sc.pool_bytes[0] // self.sc.block_size
         self.scheds = [Scheduler(self.ex, policy=policy, token_budget=cfg.token_budget,
-                                 max_admit=cfg.max_admit, steps_per_pass=cfg.steps_per_pass)
+                                 max_admit=cfg.max_admit, steps_per_pass=cfg.steps_per_pass,
+                                 quiet_steps=cfg.quiet_steps)
                        for _ in range(cfg.replicas)]
         self.clock_at = [[0.0] for _ in self.scheds]  # each replica's clock at each step start
         for s in self.scheds:
