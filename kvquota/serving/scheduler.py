@@ -142,6 +142,7 @@ class Scheduler:
                                        f"cost model), got {quiet_steps!r}")
         self.steps_per_pass, self.quiet_steps = steps_per_pass, quiet_steps
         self.quiet_passes = 0  # passes run as quiet windows (`_quiet_window`)
+        self._pool0_free = None  # pool 0's free stack after the last step (None: stale)
         self.timeline = EventTimeline(events)
         self.token_budget, self.max_admit = int(token_budget), int(max_admit)
         self.drift_every, self.check_every = int(drift_every), int(check_every)
@@ -297,7 +298,8 @@ class Scheduler:
         passed = None
         if batch is not None and (k > 1 or quiet):
             self.quiet_passes += bool(quiet)
-            passed = pass_batch(batch, counts, pres, self.m, self.quiet_steps if quiet else k)
+            steps = bucket(quiet, self.quiet_steps, floor=2 * k) if quiet else k
+            passed = pass_batch(batch, counts, pres, self.m, steps)
         return StepPlan(kinds, batch, passed, dec, counts, pres, started)
 
     def _quiet_window(self, hold: bool, limit: int, max_steps, wake_s: float) -> int:
@@ -335,11 +337,10 @@ class Scheduler:
                           [r.max_new_tokens - len(r.tokens) for r in dec])
         q = min(q, int(left.min()))
         tokens, units, reads = self.quota.room(self.state)
-        pool0 = int(self.alloc.allocatable_blocks(self.state)[0])
-        self.syncs += reads + 1
+        self.syncs += reads
         tenants = np.fromiter((r.tenant for r in dec), np.int64, len(dec))
         other = self.m.pools[seqs, 1:].sum(axis=1)  # entries outside pool 0 (read at theirs)
-        p, horizon = c.block_size, min(wake_s, w.due_s)
+        p, horizon, pool0 = c.block_size, min(wake_s, w.due_s), None
         extra = ex.reclaim_seconds(self._reclaim[0], self._reclaim[1], self.host_queue)
         while q > limit:
             blocks = -(-(length + q) // p) - (-(-length // p))  # pool-0 blocks the window takes
@@ -349,8 +350,16 @@ class Scheduler:
             slowest = ex.modelled_seconds([reads0, *self.m.pools[seqs, 1:].sum(axis=0)], 0, 0,
                                           len(dec))
             if (need_tokens <= tokens).all() and (need_units <= units).all() and \
-                    blocks.sum() <= pool0 and self.clock + extra + (q - 1) * slowest < horizon:
-                return q
+                    self.clock + extra + (q - 1) * slowest < horizon:
+                # pool 0: its free stack after the last step, else (stale, or the cold blocks
+                # are needed) one read of its allocatable blocks
+                if blocks.sum() <= (self._pool0_free if self._pool0_free is not None else -1):
+                    return q
+                if pool0 is None:
+                    pool0, self.syncs = int(self.alloc.allocatable_blocks(self.state)[0]), \
+                        self.syncs + 1
+                if blocks.sum() <= pool0:
+                    return q
             q //= 2
         return 0
 
@@ -373,6 +382,7 @@ class Scheduler:
             charged = self._read(self.state.tenants.charged_blocks)
             return self._record(None, [], [], charged, plan.events, plan.started)
         self.progressed, m, dec, counts = True, self.m, plan.dec, plan.counts
+        self._pool0_free = int(outs[-1].free_blocks[0])
         self.quota.stepped(outs[-1].charged, outs[-1].used_tokens)
         nd, t0 = len(dec), self.t
         clocks = np.cumsum([self.clock] + [o.seconds for o in outs])[1:]  # as steps one by one
@@ -437,6 +447,7 @@ class Scheduler:
         """One facade call on the state, donated; returns its report (counted per step)."""
         self.facade_calls += 1
         self.quota.changed(name)
+        self._pool0_free = None
         self.waiting.op(name, args, self.m.tenant)
         self.state, report = getattr(self.alloc, name)(self.state, *args, donate=True, **kwargs)
         return report
