@@ -17,16 +17,23 @@ from configs.errors import KVQuotaError
 # the full-precision window compressed); eviction: one row per budget of kept tokens; tiered: the
 # reclaim planner's tiered order under a byte quota cut.
 # The published method has the plain name; this project's earlier rule, where it differs, is a
-# named variant beside it (kivi2-g16: G = 16, R = 32; h2o-fixed: a fixed recent window).
+# named variant beside it (kivi2-g16: G = 16, R = 32; h2o-fixed: a fixed recent window;
+# tova-oneshot: TOVA's rule applied once after the prompt, as kvpress runs it).
 QUANT_METHODS = ("fp8", "int8", "int4", "kivi2", "kivi4", "kivi2-g16", "kivi4-g16")
 EVICT_METHODS = ("streamingllm", "h2o", "h2o-fixed", "snapkv", "snapkv-avg", "snapkv-noq",
-                 "tova", "knorm", "random")
+                 "tova", "tova-oneshot", "knorm", "random")
 TIERED_METHODS = ("tiered",)
 METHODS = QUANT_METHODS + EVICT_METHODS + TIERED_METHODS
 CONTROL = "none"  # the untouched cache run again: every difference from the reference must be 0
 # Eviction methods that are a library policy with options: name -> (policy, options).
 EVICT_POLICIES = {"snapkv-avg": ("snapkv", {"pool": "avg"}),  # kvpress's pooling
-                  "snapkv-noq": ("snapkv", {})}
+                  "snapkv-noq": ("snapkv", {}),
+                  "tova-oneshot": ("tova", {})}
+# Methods that evict step by step as the text is decoded, as their paper runs them
+# (`kq.StepwiseEviction`): TOVA (Oren et al., 2024). Each row's first budget tokens are
+# prefilled, every later token (the rest of the context, then the continuation) is decoded on
+# the cache, which is cut back to the budget every `tova_stride` steps.
+STEPWISE = ("tova",)
 # Question-agnostic methods: observation window = the last W tokens before the question instead
 # of the last W of the prompt (kvpress's default; the same window on plain text).
 NO_QUESTION = ("snapkv-noq",)
@@ -35,7 +42,7 @@ NO_QUESTION = ("snapkv-noq",)
 PREFILL_MASS = ("h2o", "h2o-fixed")
 # Named variants of a published method (run beside it; no "global" rows of their own).
 VARIANTS_OF = {"kivi2-g16": "kivi2", "kivi4-g16": "kivi4", "h2o-fixed": "h2o",
-               "snapkv-avg": "snapkv", "snapkv-noq": "snapkv"}
+               "snapkv-avg": "snapkv", "snapkv-noq": "snapkv", "tova-oneshot": "tova"}
 
 
 def evict_policy(method: str) -> tuple[str, dict]:
@@ -68,12 +75,17 @@ class QualityPreset:
       block_size: tokens per KV block (the unit of bytes freed).
       window: W, the newest context tokens every method keeps in full precision: the KIVI
         residual window of the quantizers, the recent window of the eviction policies and the
-        observation window whose attention H2O, SnapKV and TOVA score on (SnapKV's w = 32).
+        observation window whose attention H2O, SnapKV and one-shot TOVA score on (SnapKV's
+        w = 32). Stepwise TOVA keeps no window (the paper's rule: the new token competes too).
       budgets: kept fraction of the context's tokens for the eviction policies (each layer and
         KV head keeps its own tokens: variant "oneshot").
       global_budgets: budgets (of `budgets`) at which the eviction policies also run with one
         kept set for the whole model, scored on the statistics summed over layers and heads
-        (variant "global": what this project did before per-head selection).
+        (variant "global": what this project did before per-head selection; not the stepwise
+        methods).
+      tova_stride: decode steps between the stepwise methods' evictions (STEPWISE): 1 is the
+        paper (one token dropped per step), s > 1 drops s tokens every s steps (cheaper; a
+        deviation, stated in every record as the rows' `stride`).
       methods: the methods run (names of METHODS).
       streaming: also run the quantizers compressing as the cache fills.
       task_kinds: the RULER-style task kinds probed (TASK_KINDS).
@@ -99,6 +111,7 @@ class QualityPreset:
     window: int = 32
     budgets: tuple[float, ...] = (0.25, 0.5, 0.75)
     global_budgets: tuple[float, ...] = (0.5,)
+    tova_stride: int = 1
     methods: tuple[str, ...] = METHODS
     streaming: bool = True
     task_kinds: tuple[str, ...] = TASK_KINDS
@@ -112,8 +125,10 @@ class QualityPreset:
 
     def __post_init__(self):
         p, w = self.block_size, self.window
-        for field in ("num_docs", "min_docs", "block_size", "bootstrap", "permutations"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+        for field in ("num_docs", "min_docs", "block_size", "bootstrap", "permutations",
+                      "tova_stride"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UnknownPresetError(f"{self.name}: {field} must be a positive integer")
         if not self.contexts or any(not isinstance(c, int) for c in self.contexts) \
                 or list(self.contexts) != sorted(set(self.contexts)):
@@ -170,7 +185,8 @@ PRESETS: dict[str, QualityPreset] = {p.name: p for p in (
     # The sweep the lead runs (2K contexts only; sized for about 20 minutes on two cores).
     # 12 documents: the exact sign-flip test's smallest p is 2 / 2**n, and Holm over the 36
     # pairs of 9 eviction methods needs 36 x 2 / 2**n < 0.05, so n >= 11 (4 documents, the
-    # quick preset's, can never reach p < 0.125).
+    # quick preset's, can never reach p < 0.125); with 10 eviction methods (45 pairs) n >= 11
+    # still suffices (90 / 2**11 < 0.05).
     QualityPreset(name="default", num_docs=12, min_docs=12, contexts=(2048,),
                   continuation_tokens=64, budgets=(0.125, 0.25, 0.5), task_probes=4,
                   tiered_targets=(0.5,), streaming=False),
