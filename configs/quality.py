@@ -166,6 +166,11 @@ class QualityPreset:
             if any(not 0 < f < 1 for f in values) or list(values) != sorted(set(values)):
                 raise UnknownPresetError(f"{self.name}: {what} must be increasing fractions "
                                          f"in (0, 1), got {values}")
+        room = min(self.contexts) - round(max(self.budgets) * min(self.contexts))
+        if self.tova_stride > room:
+            raise UnknownPresetError(f"{self.name}: tova_stride {self.tova_stride} exceeds the "
+                                     f"{room} context tokens past the largest budget: the "
+                                     "stepwise methods would evict nothing from the context")
         if any(f * min(self.contexts) < w for f in self.budgets):
             raise UnknownPresetError(f"{self.name}: every budget must keep at least the "
                                      f"window of {w} tokens of {min(self.contexts)}")
@@ -177,21 +182,29 @@ PRESETS: dict[str, QualityPreset] = {p.name: p for p in (
                   block_size=8, window=8, budgets=(0.25, 0.5, 0.75), task_probes=1,
                   task_contexts=(512,),
                   tiered_targets=(0.25, 0.5), bootstrap=200, permutations=200),
-    # Any text of >= 500 tokens, every method, one probe of each task kind, in about five
-    # minutes on two cores.
+    # Any text of >= 500 tokens, every method, two probes of each task kind, in about five
+    # minutes on two cores before stepwise TOVA; that adds about 900 decode steps (the context
+    # past each budget and the continuation) evicting every 8 steps: about 3 minutes of wall
+    # on 2 shared cores (0.33 s of CPU per step of the 4 documents at stride 1, decoding
+    # alone 0.16 s; docs/quality.md).
     QualityPreset(name="quick", num_docs=4, contexts=(384,), continuation_tokens=96,
                   budgets=(0.25, 0.5), task_probes=2, tiered_targets=(0.5,), streaming=False,
-                  bootstrap=1000),
-    # The sweep the lead runs (2K contexts only; sized for about 20 minutes on two cores).
+                  bootstrap=1000, tova_stride=8),
+    # The sweep the lead runs (2K contexts only; sized for about 20 minutes on two cores
+    # before stepwise TOVA). Stepwise TOVA decodes 4,544 steps of the 12 documents here (the
+    # context past each budget and the continuation), measured on 2 shared cores at 0.83 s of
+    # CPU per step evicting every 8 steps, 2.75 s at stride 1 (decoding alone about 0.57 s):
+    # about 63 minutes of CPU at stride 8, 3.5 hours at stride 1 (the paper's: --tova_stride=1,
+    # or a GPU); the 20 probes' ~1,050 steps (20 rows) come on top, not measured.
     # 12 documents: the exact sign-flip test's smallest p is 2 / 2**n, and Holm over the 36
     # pairs of 9 eviction methods needs 36 x 2 / 2**n < 0.05, so n >= 11 (4 documents, the
     # quick preset's, can never reach p < 0.125); with 10 eviction methods (45 pairs) n >= 11
     # still suffices (90 / 2**11 < 0.05).
     QualityPreset(name="default", num_docs=12, min_docs=12, contexts=(2048,),
                   continuation_tokens=64, budgets=(0.125, 0.25, 0.5), task_probes=4,
-                  tiered_targets=(0.5,), streaming=False),
+                  tiered_targets=(0.5,), streaming=False, tova_stride=8),
     # The paper's design: >= 64 documents per source, >= 100 probes per task kind, 2K and 8K
-    # (hours on this CPU, minutes on a GPU).
+    # (hours on this CPU, minutes on a GPU), stepwise TOVA at the paper's stride 1.
     QualityPreset(name="paper", num_docs=64, min_docs=64, contexts=(2048, 8192),
                   continuation_tokens=128, budgets=(0.125, 0.25, 0.5, 0.75), task_probes=100,
                   task_budgets=(0.25, 0.5)),

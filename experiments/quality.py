@@ -1400,6 +1400,8 @@ def define_flags():
                          lower_bound=0)
     flags.DEFINE_integer("seed", None, "Seed (bootstrap, permutations, random policy, tasks).",
                          lower_bound=0)
+    flags.DEFINE_integer("tova_stride", None, "Decode steps between stepwise TOVA's evictions "
+                         "(1: the paper; default: the preset's).", lower_bound=1)
     flags.DEFINE_string("out_dir", None, "Also copy metrics, CSV, plots and the command here "
                         "(e.g. results/quality).")
     runs.define_flags()
@@ -1449,7 +1451,7 @@ def main(argv):
                      methods=FLAGS.methods,
                      budgets=None if FLAGS.budgets is None else [float(b) for b in FLAGS.budgets],
                      task_probes=FLAGS.task_probes,
-                     seed=FLAGS.seed)
+                     seed=FLAGS.seed, tova_stride=FLAGS.tova_stride)
     if FLAGS.out_dir and not FLAGS.overwrite:
         there = [n for n in (runs.METRICS, CSV_NAME, *PLOTS)
                  if (pathlib.Path(FLAGS.out_dir) / n).exists()]

@@ -87,7 +87,7 @@ def test_the_study_reports_tova_stepwise_and_its_one_shot_variant():
     assert qc.evict_policy("tova-oneshot") == ("tova", {})
 
 
-@pytest.mark.parametrize("stride", [0, -1, 1.5, True])
+@pytest.mark.parametrize("stride", [0, -1, 1.5, True, 13])  # tiny: 12 tokens past 0.75
 def test_a_bad_stride_is_refused(stride):
     with pytest.raises(qc.UnknownPresetError, match="tova_stride"):
         dataclasses.replace(qc.get_quality_preset("tiny"), tova_stride=stride)
