@@ -80,11 +80,12 @@ METHODS = {
     "tova": Method(recent=1, study_method="tova-oneshot"),  # the study's "tova" is stepwise
 }
 
+OUR_TIE_RULE = "equal scores keep the later token (EvictionPolicy.keep_mask)"
+
 
 def study_method(name: str) -> str:
     """The quality study's name of our side's method `name` (a key of METHODS)."""
     return METHODS[name].study_method or name
-OUR_TIE_RULE = "equal scores keep the later token (EvictionPolicy.keep_mask)"
 
 
 # ---- the comparison (NumPy only; tested without torch) -----------------------------------------
@@ -249,7 +250,8 @@ def crosscheck_preset(config: dict) -> qc.QualityPreset:
         qc.get_quality_preset("quick"), name="crosscheck", num_docs=config["num_docs"],
         min_docs=config["num_docs"], contexts=(config["context_tokens"],),
         continuation_tokens=config["continuation_tokens"], budgets=tuple(config["budgets"]),
-        global_budgets=(), methods=tuple(config["methods"]))
+        global_budgets=(), methods=tuple(config["methods"]),
+        tova_stride=1)  # no stepwise method runs here
 
 
 def measure(config: dict, add_point) -> dict:

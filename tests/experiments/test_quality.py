@@ -397,7 +397,7 @@ BAD = [
     (["--text_file={short}", "--preset=quick"], "needs at least 1"),
     (["--contexts=8", "--preset=quick"], "window 32"),
     (["--contexts=512,384"], "increasing integers"),
-    (["--tova_stride=0"], ">= 1"),
+    (["--tova_stride=0"], "not a positive integer"),
     (["--tova_stride=200", "--preset=quick"], "exceeds the 192 context tokens"),
     (["stray"], "unexpected positional argument stray"),
 ]
