@@ -17,16 +17,23 @@ from configs.errors import KVQuotaError
 # the full-precision window compressed); eviction: one row per budget of kept tokens; tiered: the
 # reclaim planner's tiered order under a byte quota cut.
 # The published method has the plain name; this project's earlier rule, where it differs, is a
-# named variant beside it (kivi2-g16: G = 16, R = 32; h2o-fixed: a fixed recent window).
+# named variant beside it (kivi2-g16: G = 16, R = 32; h2o-fixed: a fixed recent window;
+# tova-oneshot: TOVA's rule applied once after the prompt, as kvpress runs it).
 QUANT_METHODS = ("fp8", "int8", "int4", "kivi2", "kivi4", "kivi2-g16", "kivi4-g16")
 EVICT_METHODS = ("streamingllm", "h2o", "h2o-fixed", "snapkv", "snapkv-avg", "snapkv-noq",
-                 "tova", "knorm", "random")
+                 "tova", "tova-oneshot", "knorm", "random")
 TIERED_METHODS = ("tiered",)
 METHODS = QUANT_METHODS + EVICT_METHODS + TIERED_METHODS
 CONTROL = "none"  # the untouched cache run again: every difference from the reference must be 0
 # Eviction methods that are a library policy with options: name -> (policy, options).
 EVICT_POLICIES = {"snapkv-avg": ("snapkv", {"pool": "avg"}),  # kvpress's pooling
-                  "snapkv-noq": ("snapkv", {})}
+                  "snapkv-noq": ("snapkv", {}),
+                  "tova-oneshot": ("tova", {})}
+# Methods that evict step by step as the text is decoded, as their paper runs them
+# (`kq.StepwiseEviction`): TOVA (Oren et al., 2024). Each row's first budget tokens are
+# prefilled, every later token (the rest of the context, then the continuation) is decoded on
+# the cache, which is cut back to the budget every `tova_stride` steps.
+STEPWISE = ("tova",)
 # Question-agnostic methods: observation window = the last W tokens before the question instead
 # of the last W of the prompt (kvpress's default; the same window on plain text).
 NO_QUESTION = ("snapkv-noq",)
@@ -35,7 +42,7 @@ NO_QUESTION = ("snapkv-noq",)
 PREFILL_MASS = ("h2o", "h2o-fixed")
 # Named variants of a published method (run beside it; no "global" rows of their own).
 VARIANTS_OF = {"kivi2-g16": "kivi2", "kivi4-g16": "kivi4", "h2o-fixed": "h2o",
-               "snapkv-avg": "snapkv", "snapkv-noq": "snapkv"}
+               "snapkv-avg": "snapkv", "snapkv-noq": "snapkv", "tova-oneshot": "tova"}
 
 
 def evict_policy(method: str) -> tuple[str, dict]:
@@ -72,12 +79,17 @@ class QualityPreset:
       block_size: tokens per KV block (the unit of bytes freed).
       window: W, the newest context tokens every method keeps in full precision: the KIVI
         residual window of the quantizers, the recent window of the eviction policies and the
-        observation window whose attention H2O, SnapKV and TOVA score on (SnapKV's w = 32).
+        observation window whose attention H2O, SnapKV and one-shot TOVA score on (SnapKV's
+        w = 32). Stepwise TOVA keeps no window (the paper's rule: the new token competes too).
       budgets: kept fraction of the context's tokens for the eviction policies (each layer and
         KV head keeps its own tokens: variant "oneshot").
       global_budgets: budgets (of `budgets`) at which the eviction policies also run with one
         kept set for the whole model, scored on the statistics summed over layers and heads
-        (variant "global": what this project did before per-head selection).
+        (variant "global": what this project did before per-head selection; not the stepwise
+        methods).
+      tova_stride: decode steps between the stepwise methods' evictions (STEPWISE): 1 is the
+        paper (one token dropped per step), s > 1 drops s tokens every s steps (cheaper; a
+        deviation, stated in every record as the rows' `stride`).
       methods: the methods run (names of METHODS).
       streaming: also run the quantizers compressing as the cache fills.
       task_kinds: the RULER-style task kinds probed (TASK_KINDS).
@@ -103,6 +115,7 @@ class QualityPreset:
     window: int = 32
     budgets: tuple[float, ...] = (0.25, 0.5, 0.75)
     global_budgets: tuple[float, ...] = (0.5,)
+    tova_stride: int = 1
     methods: tuple[str, ...] = METHODS
     streaming: bool = True
     task_kinds: tuple[str, ...] = TASK_KINDS
@@ -116,8 +129,10 @@ class QualityPreset:
 
     def __post_init__(self):
         p, w = self.block_size, self.window
-        for field in ("num_docs", "min_docs", "block_size", "bootstrap", "permutations"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+        for field in ("num_docs", "min_docs", "block_size", "bootstrap", "permutations",
+                      "tova_stride"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UnknownPresetError(f"{self.name}: {field} must be a positive integer")
         if not self.contexts or any(not isinstance(c, int) for c in self.contexts) \
                 or list(self.contexts) != sorted(set(self.contexts)):
@@ -155,6 +170,11 @@ class QualityPreset:
             if any(not 0 < f < 1 for f in values) or list(values) != sorted(set(values)):
                 raise UnknownPresetError(f"{self.name}: {what} must be increasing fractions "
                                          f"in (0, 1), got {values}")
+        room = min(self.contexts) - round(max(self.budgets) * min(self.contexts))
+        if self.tova_stride > room:
+            raise UnknownPresetError(f"{self.name}: tova_stride {self.tova_stride} exceeds the "
+                                     f"{room} context tokens past the largest budget: the "
+                                     "stepwise methods would evict nothing from the context")
         if any(f * min(self.contexts) < w for f in self.budgets):
             raise UnknownPresetError(f"{self.name}: every budget must keep at least the "
                                      f"window of {w} tokens of {min(self.contexts)}")
@@ -167,19 +187,28 @@ PRESETS: dict[str, QualityPreset] = {p.name: p for p in (
                   task_contexts=(512,),
                   tiered_targets=(0.25, 0.5), bootstrap=200, permutations=200),
     # Any text of >= 500 tokens, every method, two probes of each task kind, in about five
-    # minutes on two cores: 4 documents, 2 of each source.
+    # minutes on two cores before stepwise TOVA: 4 documents, 2 of each source. Stepwise TOVA
+    # adds about 900 decode steps (the context past each budget and the continuation) evicting
+    # every 8 steps: about 3 minutes of wall on 2 shared cores (0.33 s of CPU per step of the
+    # 4 documents at stride 1, decoding alone 0.16 s; docs/quality.md).
     QualityPreset(name="quick", num_docs=2, contexts=(384,), continuation_tokens=96,
                   budgets=(0.25, 0.5), task_probes=2, tiered_targets=(0.5,), streaming=False,
-                  bootstrap=1000),
-    # The sweep the lead runs (2K contexts only; sized for about 20 minutes on two cores).
+                  bootstrap=1000, tova_stride=8),
+    # The sweep the lead runs (2K contexts only; sized for about 20 minutes on two cores
+    # before stepwise TOVA). Stepwise TOVA decodes 4,544 steps of the 12 documents here (the
+    # context past each budget and the continuation), measured on 2 shared cores at 0.83 s of
+    # CPU per step evicting every 8 steps, 2.75 s at stride 1 (decoding alone about 0.57 s):
+    # about 63 minutes of CPU at stride 8, 3.5 hours at stride 1 (the paper's: --tova_stride=1,
+    # or a GPU); the 20 probes' ~1,050 steps (20 rows) come on top, not measured.
     # 12 documents, 6 of each source, paired over all 12: the exact sign-flip test's smallest
     # p is 2 / 2**n, and Holm over the 36 pairs of 9 eviction methods needs 36 x 2 / 2**n <
-    # 0.05, so n >= 11 (4 documents, the quick preset's, can never reach p < 0.125).
+    # 0.05, so n >= 11 (4 documents, the quick preset's, can never reach p < 0.125); with 10
+    # eviction methods (45 pairs) n >= 11 still suffices (90 / 2**11 < 0.05).
     QualityPreset(name="default", num_docs=6, min_docs=6, contexts=(2048,),
                   continuation_tokens=64, budgets=(0.125, 0.25, 0.5), task_probes=4,
-                  tiered_targets=(0.5,), streaming=False),
+                  tiered_targets=(0.5,), streaming=False, tova_stride=8),
     # The paper's design: >= 64 documents per source, >= 100 probes per task kind, 2K and 8K
-    # (hours on this CPU, minutes on a GPU).
+    # (hours on this CPU, minutes on a GPU), stepwise TOVA at the paper's stride 1.
     QualityPreset(name="paper", num_docs=64, min_docs=64, contexts=(2048, 8192),
                   continuation_tokens=128, budgets=(0.125, 0.25, 0.5, 0.75), task_probes=100,
                   task_budgets=(0.25, 0.5)),

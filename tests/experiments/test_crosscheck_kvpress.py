@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import quality as qc
 from experiments import crosscheck_kvpress as xc
 from tests.experiments.common import run_cli
 from kvquota.policies import TokenView, get_policy
@@ -182,6 +183,24 @@ def test_tova_keeps_kvpress_last_query_scores(budget):
     last = attn.reshape(L, HKV, GROUP, C).sum(2)
     np.testing.assert_array_equal(_ours("tova", _view(last=last), budget),
                                   _kvpress_keep(scores, budget))
+
+
+def test_each_rule_is_a_one_shot_method_of_the_quality_study_with_the_same_policy():
+    """kvpress's presses prune once after the prompt: each is compared with the study's one-shot
+    method of the same rule (TOVA: `tova-oneshot`; the study's `tova` evicts step by step)."""
+    for name in xc.METHODS:
+        study = xc.study_method(name)
+        assert study in qc.EVICT_METHODS and study not in qc.STEPWISE, name
+        assert qc.evict_policy(study)[0] == name
+    assert xc.study_method("tova") == "tova-oneshot" and "tova" in qc.STEPWISE
+
+
+def test_the_crosscheck_preset_is_a_valid_quality_preset():
+    config = dict(num_docs=3, context_tokens=512, continuation_tokens=96, budgets=[0.25, 0.5],
+                  methods=list(xc.METHODS))
+    preset = xc.crosscheck_preset(config)
+    assert preset.contexts == (512,) and preset.budgets == (0.25, 0.5)
+    assert preset.continuation_tokens == 96 and preset.num_docs == preset.min_docs == 3
 
 
 # ---- the command line ------------------------------------------------------------------------

@@ -28,8 +28,8 @@ SUMMARY_KEYS = ("budget_fraction", "bytes_freed", "delta_ppl", "delta_ppl_rel", 
                 "top1_agreement", "retrieval_accuracy")
 CONTRACT_KEYS = ("budget_fraction", "delta_ppl", "delta_ppl_rel", "kl_mean", "top1",
                  "bytes_kept_bf16")  # numeric, never null (issue 46's "Done when")
-CONTRACT_METHODS = ("h2o", "snapkv", "snapkv-noq", "tova", "knorm", "streamingllm", "random",
-                    "fp8", "int8", "int4", "kivi2", "kivi4")
+CONTRACT_METHODS = ("h2o", "snapkv", "snapkv-noq", "tova", "tova-oneshot", "knorm",
+                    "streamingllm", "random", "fp8", "int8", "int4", "kivi2", "kivi4")
 POINT_KEYS = ("method", "budget_fraction", "bytes_freed", "delta_ppl", "delta_ppl_rel",
               "kl_mean", "top1_agreement", "retrieval_accuracy")
 PRESET = qc.get_quality_preset("tiny")
@@ -104,6 +104,7 @@ def test_json_contract_last_line(twice):
     assert ("h2o", "snapkv", 0.5, "delta_ppl") in pairs and ("int8", "int4", None,
                                                              "kl_mean") in pairs
     assert ("snapkv", "snapkv-noq", 0.5, "retrieval") in pairs
+    assert ("tova", "tova-oneshot", 0.5, "kl_mean") in pairs  # stepwise against one shot
     assert set(printed["tasks"]) == set(qc.TASK_KINDS)
     for kind, accs in printed["tasks"].items():
         assert set(accs) >= {qc.CONTROL, *CONTRACT_METHODS}
@@ -448,6 +449,8 @@ BAD = [
     (["--text_file={short}", "--preset=quick"], "needs at least 1"),
     (["--contexts=8", "--preset=quick"], "window 32"),
     (["--contexts=512,384"], "increasing integers"),
+    (["--tova_stride=0"], "not a positive integer"),
+    (["--tova_stride=200", "--preset=quick"], "exceeds the 192 context tokens"),
     (["stray"], "unexpected positional argument stray"),
 ]
 
@@ -484,15 +487,20 @@ def test_cli_tiny_run_from_another_directory(ckpt, tmp_path):
 
 
 def test_eviction_runs_per_head_and_with_one_set_for_the_whole_model(twice):
-    """Every eviction method has its per-head rows (variant "oneshot") at every budget, and
-    each published one a "global" row at each of the preset's global budgets, over the same
-    documents (the named variants of a published method have none)."""
+    """Every eviction method has its per-head rows (variant "oneshot", or "stepwise" for TOVA,
+    at the preset's stride) at every budget, and each published one-shot method a "global" row
+    at each of the preset's global budgets, over the same documents (the named variants of a
+    published method and the stepwise methods have none)."""
     summary = twice[0][0]
     for method in qc.EVICT_METHODS:
         rows = summary["methods"][method]
-        assert sorted(r["budget"] for r in rows if r["variant"] == "oneshot") == \
+        variant = "stepwise" if method in qc.STEPWISE else "oneshot"
+        assert sorted(r["budget"] for r in rows if r["variant"] == variant) == \
             list(PRESET.budgets)
+        assert all(r.get("stride") == (PRESET.tova_stride if method in qc.STEPWISE else None)
+                   for r in rows)
         glob = [r for r in rows if r["variant"] == "global"]
         assert [r["budget"] for r in glob] == (
-            [] if method in qc.VARIANTS_OF else list(PRESET.global_budgets))
+            [] if method in qc.VARIANTS_OF or method in qc.STEPWISE
+            else list(PRESET.global_budgets))
         assert all(r["n_docs"] == DOCS for r in glob)
