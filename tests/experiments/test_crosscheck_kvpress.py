@@ -215,3 +215,31 @@ def test_bad_invocations_exit_2_with_one_line_before_any_work(args, message):
     proc = run_cli("crosscheck_kvpress", *args, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+# ---- our side on the real model (what kvpress is compared with) -------------------------------
+
+
+def test_our_side_keeps_the_budget_per_head_and_scores_the_continuation():
+    """`our_side` on one short pydoc document of SmolLM2 (the quality study's Bench and
+    documents, as the cross-check calls them): each method keeps exactly round(budget x C)
+    context tokens in every (layer, KV head), StreamingLLM its 4 sinks and newest tokens, and
+    every -log p is finite; the key norms cover the context."""
+    import kvquota as kq
+    from experiments import quality
+
+    config = dict(model="smollm2-135m", num_docs=1, context_tokens=64, continuation_tokens=16,
+                  budgets=[0.5], methods=list(xc.METHODS))
+    preset = xc.crosscheck_preset(config)
+    tok = kq.load_tokenizer(config["model"])
+    docs = quality.documents(tok.encode(quality.pydoc_text()), preset, "pydoc", 64)
+    out, full_nll, norms = xc.our_side(config, docs, preset)
+    assert sorted(out) == sorted(xc.key(m, 0.5) for m in xc.METHODS)
+    for name, (kept, nll) in out.items():
+        assert kept.shape[0] == 1 and kept.shape[-1] == 64, name
+        assert (kept.sum(axis=-1) == 32).all(), name
+        assert nll.shape == full_nll.shape == (1, 15) and np.isfinite(nll).all(), name
+    sinks_recent = np.zeros(64, bool)
+    sinks_recent[:4] = sinks_recent[-28:] = True
+    assert (out[xc.key("streamingllm", 0.5)][0] == sinks_recent).all()
+    assert norms.shape[0] == 1 and norms.shape[-1] == 64 and np.isfinite(norms).all()
