@@ -78,7 +78,7 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/backend_compile_duration")  # the last: XLA, or a cache load
 # Per-policy fields that measure the process, not the replay (they differ run to run).
 PROCESS_FIELDS = ("wall_s", "shared_wall_s", "compile_s", "shared_compile_s", "compiled_programs",
-                  "cpu_s")
+                  "cpu_s", "program_cache_clears")
 _compiling = {"seconds": 0.0, "programs": 0, "listening": False}  # this process's, so far
 
 
@@ -94,6 +94,34 @@ def _compile_totals() -> tuple[float, int]:
         jax.monitoring.register_event_duration_secs_listener(on_duration)
         _compiling["listening"] = True
     return _compiling["seconds"], _compiling["programs"]
+
+
+class ProgramMemoryGuard:
+    """Keeps this process under the kernel's limit on memory mappings (`vm.max_map_count`, 65,530
+    by default): XLA's CPU backend maps every compiled kernel's code and data separately
+    (hundreds of mappings per load-test program: 41,000 after ~110 programs, measured), and a
+    long replay keeps compiling new shapes, so a 2x10^4-request worker crashed past the limit ("LLVM compilation error: Cannot allocate
+    memory", then a segfault). Every `every` calls it counts the mappings (Linux: /proc); past
+    `share` of the limit it drops jax's compiled programs (`jax.clear_caches`), which unmaps
+    them; the next calls reload them from the persistent cache. Results do not change: the same
+    programs run. `clears` counts the drops."""
+
+    def __init__(self, every: int = 2000, share: float = 0.6):
+        self.every, self.share, self.calls, self.clears = every, share, 0, 0
+        try:
+            self.limit = int(open("/proc/sys/vm/max_map_count").read())
+        except (OSError, ValueError):
+            self.limit = None  # not Linux: nothing to watch
+
+    def __call__(self, *_):
+        self.calls += 1
+        if self.limit is None or self.calls % self.every:
+            return
+        with open("/proc/self/maps") as maps:
+            count = sum(1 for _ in maps)
+        if count > self.share * self.limit:
+            jax.clear_caches()
+            self.clears += 1
 
 
 class Progress:
@@ -128,19 +156,20 @@ def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths,
     cpu0 = time.process_time()
     base = lt.Replay(cfg, trace, policies[0], ex=lt.executor(cfg))  # one jit cache for all
     tick = Progress("+".join(policies) + " (before the first event)", base, progress_s)
-    base.on_step = lambda _: tick()
+    guard = ProgramMemoryGuard()
+    base.on_step = lambda _: (tick(), guard())
     base.run(until_first_event=True)
     shared_s, shared_steps, out = time.perf_counter() - start, sum(s.t for s in base.scheds), []
     shared_cpu = time.process_time() - cpu0
     shared_compile = _compile_totals()
     for k, (policy, path) in enumerate(zip(policies, points_paths)):
         begin, (compile1, programs1) = time.perf_counter(), _compile_totals()
-        cpu1 = time.process_time()
+        cpu1, clears1 = time.process_time(), guard.clears
         with open(path, "a") as points:
             write = _point_writer(points)
             rp = base.fork(policy, copy=k + 1 < len(policies))  # the last: base
             tick = Progress(policy, rp, progress_s)
-            rp.on_step = lambda p: (write(p), tick())
+            rp.on_step = lambda p: (write(p), tick(), guard())
             for p in rp.samples:
                 write(p)
             rp.run()
@@ -157,6 +186,7 @@ def replay_policies(cfg: lt.LoadConfig, trace, policies, points_paths,
         result["shared_compile_s"] = shared_compile[0] - compile0
         result["compile_s"] = result["shared_compile_s"] + compile2 - compile1
         result["compiled_programs"] = shared_compile[1] - programs0 + programs2 - programs1
+        result["program_cache_clears"] = guard.clears - clears1
         out.append((result, reqs))
     return out
 

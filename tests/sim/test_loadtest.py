@@ -550,3 +550,22 @@ def test_quiet_windows_are_their_steps_one_at_a_time():
     assert quiet[1] == single[1]
     with pytest.raises(kq.InvalidArgumentError, match="quiet_steps"):
         dataclasses.replace(SMALL, quiet_steps=-1)
+
+
+def test_the_program_memory_guard_drops_compiled_programs_past_its_share_of_the_limit():
+    """Every `every` calls the guard counts this process's memory mappings; past its share of
+    the kernel's limit it drops jax's compiled programs (they hold hundreds of mappings each),
+    and not before."""
+    guard = loadtest_io.ProgramMemoryGuard(every=2, share=0.5)
+    if guard.limit is None:
+        pytest.skip("no /proc/sys/vm/max_map_count here")
+    f = jax.jit(lambda x: x + 1)
+    f(jnp.ones(3))
+    guard.limit = 1 << 40  # far above any process
+    guard(), guard()
+    assert guard.clears == 0 and f._cache_size() == 1
+    guard.limit = 2  # any process maps more than one region
+    guard()  # the third call: not a counting one
+    assert guard.clears == 0 and f._cache_size() == 1
+    guard()
+    assert guard.clears == 1 and f._cache_size() == 0
