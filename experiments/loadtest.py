@@ -89,9 +89,9 @@ def define_flags():
     f.DEFINE_integer("tenants", 8, "Tenants of the generated trace.", lower_bound=1,
                      upper_bound=64)
     f.DEFINE_integer("groups", 2, "Tenant groups sharing a system prompt.", lower_bound=0)
-    f.DEFINE_float("rate", 70.0, "Requests per second of the generated trace.", lower_bound=1e-6)
+    f.DEFINE_float("rate", 90.0, "Requests per second of the generated trace.", lower_bound=1e-6)
     f.DEFINE_enum("arrival", "poisson", ["poisson", "bursty"], "Arrival process.")
-    f.DEFINE_float("oversubscription", 1.2, "Sum of the tenants' quota shares (x weights).",
+    f.DEFINE_float("oversubscription", 2.5, "Sum of the tenants' quota shares (x weights).",
                    lower_bound=0.01)
     f.DEFINE_float("session_fraction", 0.3, "Share of requests in multi-turn sessions.",
                    lower_bound=0, upper_bound=1)
