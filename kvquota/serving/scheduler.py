@@ -298,7 +298,8 @@ class Scheduler:
         passed = None
         if batch is not None and (k > 1 or quiet):
             self.quiet_passes += bool(quiet)
-            steps = bucket(quiet, self.quiet_steps, floor=2 * k) if quiet else k
+            steps = bucket(quiet, self.quiet_steps, floor=min(16, self.quiet_steps)) if quiet \
+                else k
             passed = pass_batch(batch, counts, pres, self.m, steps)
         return StepPlan(kinds, batch, passed, dec, counts, pres, started)
 

@@ -100,16 +100,17 @@ class ProgramMemoryGuard:
     """Keeps this process under the kernel's limit on memory mappings (`vm.max_map_count`, 65,530
     by default): XLA's CPU backend maps every compiled kernel's code and data separately
     (hundreds of mappings per load-test program: 41,000 after ~110 programs, measured), and a
-    long replay keeps compiling new shapes, so a 2x10^4-request worker crashed past the limit ("LLVM compilation error: Cannot allocate
-    memory", then a segfault). Every `every` calls it counts the mappings (Linux: /proc); past
-    `share` of the limit it drops jax's compiled programs (`jax.clear_caches`), which unmaps
-    them; the next calls reload them from the persistent cache. Results do not change: the same
-    programs run. `clears` counts the drops."""
+    long replay keeps compiling new shapes, so a 2x10^4-request worker crashed past the limit
+    ("LLVM compilation error: Cannot allocate memory", then a segfault). Every `every` calls it
+    counts the mappings (Linux: /proc); past `share` of the limit it drops jax's compiled
+    programs (`jax.clear_caches`), which unmaps them; the next calls reload them from the
+    persistent cache. Results do not change: the same programs run. `clears` counts the drops."""
 
     def __init__(self, every: int = 2000, share: float = 0.6):
         self.every, self.share, self.calls, self.clears = every, share, 0, 0
         try:
-            self.limit = int(open("/proc/sys/vm/max_map_count").read())
+            with open("/proc/sys/vm/max_map_count") as limit:
+                self.limit = int(limit.read())
         except (OSError, ValueError):
             self.limit = None  # not Linux: nothing to watch
 
