@@ -340,26 +340,28 @@ class Scheduler:
         tokens, units, reads = self.quota.room(self.state)
         self.syncs += reads
         tenants = np.fromiter((r.tenant for r in dec), np.int64, len(dec))
-        other = self.m.pools[seqs, 1:].sum(axis=1)  # entries outside pool 0 (read at theirs)
+        rows_per_tenant = np.bincount(tenants, minlength=len(tokens))
+        other = self.m.pools[seqs, 1:]  # entries outside pool 0 (read at their pools' bytes)
+        other_reads, other_rows = other.sum(axis=0), other.sum(axis=1)
         p, horizon, pool0 = c.block_size, min(wake_s, w.due_s), None
         extra = ex.reclaim_seconds(self._reclaim[0], self._reclaim[1], self.host_queue)
         while q > limit:
-            blocks = -(-(length + q) // p) - (-(-length // p))  # pool-0 blocks the window takes
-            need_tokens = np.bincount(tenants, minlength=len(tokens)) * q
+            entries = -(-(length + q) // p)  # each row's table entries after the window
+            blocks = entries - (-(-length // p))  # pool-0 blocks the window takes
             need_units = np.bincount(tenants, blocks, minlength=len(units)) * self._geometry.unit0
-            reads0 = int((-(-(length + q) // p) - other).sum())
-            slowest = ex.modelled_seconds([reads0, *self.m.pools[seqs, 1:].sum(axis=0)], 0, 0,
-                                          len(dec))
-            if (need_tokens <= tokens).all() and (need_units <= units).all() and \
+            slowest = ex.modelled_seconds([int((entries - other_rows).sum()), *other_reads], 0,
+                                          0, len(dec))
+            if (rows_per_tenant * q <= tokens).all() and (need_units <= units).all() and \
                     self.clock + extra + (q - 1) * slowest < horizon:
                 # pool 0: its free stack after the last step, else (stale, or the cold blocks
                 # are needed) one read of its allocatable blocks
-                if blocks.sum() <= (self._pool0_free if self._pool0_free is not None else -1):
+                need = int(blocks.sum())
+                if self._pool0_free is not None and need <= self._pool0_free:
                     return q
                 if pool0 is None:
                     pool0, self.syncs = int(self.alloc.allocatable_blocks(self.state)[0]), \
                         self.syncs + 1
-                if blocks.sum() <= pool0:
+                if need <= pool0:
                     return q
             q //= 2
         return 0
