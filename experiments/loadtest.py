@@ -25,8 +25,10 @@ the plots latency_cdf.png and bytes_timeline.png, drawn from those files only. P
 stderr per policy every ~10 s (steps, modelled time, requests ended; --noprogress: none).
 The policies run in --jobs worker processes (default: one per CPU core), with the same files.
 --patience_s=S models clients that give up: a request not admitted within S seconds of its
-arrival is cancelled and counted as refused "timed out" (off by default: clients wait for
-ever, so a tenant cut below its arrival rate builds a queue without bound).
+arrival is cancelled and counted as refused "timed out" (default 60; 0: clients wait for ever,
+so a tenant cut below its arrival rate builds a queue without bound). Clients send nothing
+after the trace's last arrival (a session's later turn due after it is never sent), so the
+run ends with the trace; --nosessions_end_with_trace lets every session run to its last turn.
 The ledger drift must be 0 at every check (every event, every --drift_every steps, the end):
 otherwise the run is written and the program exits with status 1. A quota cut whose target,
 summed over replicas, is 0 bytes counts in `zero_target_events` and is flagged on stderr.
@@ -159,6 +161,9 @@ def define_flags():
     f.DEFINE_float("patience_s", 60.0, "A client cancels a request not admitted within this many "
                    "seconds of its arrival (refused 'timed out'; 0: clients wait for ever).",
                    lower_bound=0)
+    f.DEFINE_boolean("sessions_end_with_trace", True, "Clients send nothing after the trace's "
+                     "last arrival: a session's later turn due after it is never sent (so the "
+                     "run ends with the trace, not with its longest session).")
     # the cost model (H200 SXM defaults)
     f.DEFINE_float("hbm_bandwidth", 4.8e12, "HBM bytes/s per device.", lower_bound=1)
     f.DEFINE_float("hbm_bytes", 141e9, "HBM bytes per device.", lower_bound=1)
@@ -235,7 +240,8 @@ def load_config() -> "kq.sim.LoadConfig":
         prefill_rows=FLAGS.prefill_rows,
         chunk_size=FLAGS.chunk_size, slo_ttft_s=FLAGS.slo_ttft_s, slo_tpot_s=FLAGS.slo_tpot_s,
         jitter_window=FLAGS.jitter_window, drift_every=FLAGS.drift_every,
-        max_steps=FLAGS.max_steps, patience_s=FLAGS.patience_s or None, cost=cost)
+        max_steps=FLAGS.max_steps, patience_s=FLAGS.patience_s or None,
+        sessions_end_with_trace=FLAGS.sessions_end_with_trace, cost=cost)
     kq.sim.loadtest.replica_blocks(cfg)  # --tp too small for the weights: a typed error here
     return cfg
 

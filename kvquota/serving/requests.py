@@ -127,7 +127,8 @@ class Session:
     between turns its sequence is IDLE (KV kept; the next turn hits it in the prefix cache).
     Turn k+1 arrives `gap` steps after turn k finished, or, on the scheduler's clock, think_s[k+1]
     seconds after (with `arrival_s` set: turn 0's arrival in seconds); turn k generates
-    turn_new_tokens[k] tokens at most (default max_new_tokens)."""
+    turn_new_tokens[k] tokens at most (default max_new_tokens). A turn that would arrive after
+    `end_s` on the clock is never sent (the client stopped: a load test's end), ending it."""
 
     tenant: int
     turns: Sequence[Sequence[int]]  # each turn's new message (token ids)
@@ -139,6 +140,7 @@ class Session:
     arrival_s: Optional[float] = None
     think_s: Sequence[float] = ()
     turn_new_tokens: Sequence[int] = ()
+    end_s: Optional[float] = None
     requests: list = dataclasses.field(default_factory=list)  # its turns' requests so far
     idle_seq: int = INVALID  # the slot its last finished turn left IDLE (INVALID: none)
     ended: bool = False  # no next turn will come (refused, cancelled, released, outgrown)

@@ -465,8 +465,7 @@ class Scheduler:
         goes IDLE instead and its next turn is submitted (it arrives `gap` steps, or think_s
         seconds, later). `step` does it first; call it once more after the last step."""
         done, self._finished = self._finished, []
-        idle = [r for r in done if r.session is not None and not r.session.ended
-                and r.turn + 1 < len(r.session.turns)]
+        idle = [r for r in done if self._next_turn_comes(r)]
         free = [r.seq for r in done if r not in idle]
         if free:
             self._op("free", np.asarray(free, np.int32))
@@ -485,6 +484,18 @@ class Scheduler:
         for r in done:
             self.by_seq.pop(r.seq, None)
             r.seq = INVALID
+
+    def _next_turn_comes(self, r: Request) -> bool:
+        """Whether finished `r`'s session sends another turn; one that would arrive after the
+        session's `end_s` ends it instead."""
+        s = r.session
+        if s is None or s.ended or r.turn + 1 >= len(s.turns):
+            return False
+        at = s.turn_arrival_s(r.turn + 1, self.clock)
+        if at is not None and s.end_s is not None and at > s.end_s:
+            s.ended = True
+            return False
+        return True
 
     def _free_idle(self, sessions):
         """Free the sequences these sessions' previous turns left IDLE (the next turn took its

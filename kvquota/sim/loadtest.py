@@ -89,7 +89,10 @@ class LoadConfig:
     `blocks_that_fit`), a compressed pool (`compress_format`) of blocks * compressed_fraction,
     a host pool of blocks * host_fraction; max_seqs sequence slots.
     patience_s: a client cancels a request that has waited this long without being admitted
-    (refused "timed out"; `Replay._abandon`); None: clients wait for ever. steps_per_pass > 1:
+    (refused "timed out"; `Replay._abandon`); None: clients wait for ever. sessions_end_with_trace:
+    clients send nothing after the trace's last arrival (a session's later turn due after it is
+    never sent, so the run ends as the trace does); False: sessions run to their last turn.
+    steps_per_pass > 1:
     multi-step scheduling (`kvquota.serving.scheduler`; the drift check then comes at the first
     pass end at or after every drift_every-th step). quiet_steps > 0: a stretch of steps that
     can only decode runs as one pass of up to that many steps (exact: `Scheduler`)."""
@@ -118,6 +121,7 @@ class LoadConfig:
     drift_every: int = 1000
     max_steps: int = 1_000_000
     patience_s: Optional[float] = None
+    sessions_end_with_trace: bool = False
     cost: CostConstants = CostConstants()
 
     def __post_init__(self):
@@ -259,6 +263,8 @@ class Replay:
                                   t.salt_group, **quotas(self.sc, t.quota_share))
         self.on_step, self.samples, self.drift = on_step, [], []
         self.arrivals, self.turns = self._items()
+        self.sessions_end_s = (self.arrivals[-1].arrival_s if cfg.sessions_end_with_trace and
+                               self.arrivals and step_clock is None else None)
         self.trace_id = {}  # (replica, scheduler request id) -> trace request id
         self._compacted = [0] * len(self.scheds)  # requests before these are ended, compacted
         self._next = [0, 0]  # the next arrival (of `arrivals`) and trace event to hand over
@@ -301,7 +307,8 @@ class Replay:
         s = sched.submit_session(Session(
             r.tenant, [self._ids(t) for t in turns], turns[0].output_tokens,
             name=str(r.session), arrival_s=self._arrival(r), arrival=sched.t,
-            think_s=[t.think_s for t in turns], turn_new_tokens=[t.output_tokens for t in turns]))
+            think_s=[t.think_s for t in turns], turn_new_tokens=[t.output_tokens for t in turns],
+            end_s=self.sessions_end_s))
         s.trace_ids = [t.id for t in turns]
 
     def _time(self, s: Scheduler) -> float:

@@ -31,12 +31,13 @@ SMALL = lt.LoadConfig(blocks=256, max_seqs=8, max_blocks_per_seq=48, num_tenants
                       drift_every=50, compressed_fraction=0.25, replicas=1)
 
 
-def small_trace(seed=0, requests=40):
-    return generate_trace(TraceConfig(
+def small_trace(seed=0, requests=40, **changes):
+    return generate_trace(TraceConfig(**{**dict(
         seed=seed, requests=requests, tenants=3, groups=1, system_prompt_tokens=32,
         rate_per_s=200.0, prompt_mean=96, prompt_max=256, output_mean=24, output_max=64,
         followup_mean=24, followup_sigma=0.5, session_fraction=0.4, turns_mean=3,
-        think_time_mean_s=0.05, context_max=700, quota_cuts=2, cut_to=0.3, lease_expiries=1))
+        think_time_mean_s=0.05, context_max=700, quota_cuts=2, cut_to=0.3, lease_expiries=1),
+        **changes}))
 
 
 def test_cost_model_per_device_is_its_formula_by_hand():
@@ -382,6 +383,41 @@ def test_clients_out_of_patience_cancel_what_waits_unadmitted():
     (forever, forever_reqs) = runs[1e6]
     assert _no_wall(forever.samples) == _no_wall(patient.samples)
     assert forever_reqs == patient_reqs
+
+
+def test_sessions_end_with_the_trace():
+    """sessions_end_with_trace: no request arrives after the trace's last first-turn arrival; a
+    session ends with its last turn sent exactly when its next turn was due after it (no
+    events here end sessions otherwise), its sequence freed (none stays IDLE at the end). Off,
+    some turn arrives later (the flag bites). Zero drift, invariants hold, every request ends."""
+    trace = small_trace(requests=80, quota_cuts=0, lease_expiries=0)
+    ex = lt.executor(SMALL)
+    end = max(r.arrival_s for r in trace.requests if r.arrival_s is not None)
+    think = {r.id: r.think_s for r in trace.requests}
+    later_turn = {(r.session, r.turn): r for r in trace.requests if r.session >= 0}
+    runs = {}
+    for on in (False, True):
+        rp = lt.Replay(dataclasses.replace(SMALL, sessions_end_with_trace=on), trace, "tiered",
+                       ex=ex)
+        rp.run()
+        kq.check_invariants(rp.sc, rp.sched.state)
+        assert all(d["bytes"] == d["tokens"] == 0 for d in rp.drift)
+        assert all(r.status in ("finished", "refused") for r in rp.sched.requests)
+        assert not rp.sched.idle_of
+        runs[on] = rp
+    assert max(r.arrival_s for r in runs[False].sched.requests) > end
+    rp = runs[True]
+    assert max(r.arrival_s for r in rp.sched.requests) <= end
+    stopped = 0
+    for r in rp.sched.requests:
+        s = r.session
+        if s is None or r is not s.requests[-1] or r.status != "finished" or \
+                r.turn + 1 == len(s.turns):
+            continue
+        due = r.finish_s + think[later_turn[int(s.name), r.turn + 1].id]
+        assert s.ended == (due > end)
+        stopped += s.ended
+    assert stopped
 
 
 def test_on_a_step_clock_patience_counts_steps():
