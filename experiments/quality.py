@@ -553,8 +553,8 @@ class Bench:
         """The context under stepwise eviction (`kq.StepwiseEviction`, qc.STEPWISE: TOVA as its
         paper runs it): each row's first B = `_keep_tokens(fraction)` context tokens prefilled
         from the empty state (block chunks, as the shared prefill), every later context token
-        decoded on the cache, cut back to B tokens per layer and KV head every
-        `tova_stride` steps, no recent window. A row shorter than the longest (a common-words
+        fed on the cache (`StepwiseEviction.feed`), cut back to B tokens per layer and KV head
+        every `tova_stride` steps, no recent window. A row shorter than the longest (a common-words
         probe, by less than a block) prefills that many tokens fewer, so every row decodes the
         same number of steps and the context ends at the same step. Leaves the state in the
         engine; returns bool[n, L, Hkv, width]: the context positions each (layer, KV head)
@@ -581,8 +581,7 @@ class Bench:
                                      stride=self.preset.tova_stride)
         steps = longest - budget
         tokens, _ = self._span(prefill, prefill + steps)
-        for j in range(steps):
-            driver.step(tokens[:, j])
+        driver.feed(tokens, return_logits=False)
         width = eng.state_config.max_tokens_per_seq
         pos = driver.positions  # [n, L, Hkv, width], original positions, -1 past the length
         kept = np.zeros(pos.shape[:-1] + (width + 1,), bool)
@@ -590,8 +589,7 @@ class Bench:
         return kept[..., :width]
 
     def _stepwise_continuation(self, method, fraction) -> list:
-        """The continuation decoded token by token on the state `_stepwise_context` left, still
-        evicting (a driver that no longer tracks positions: the cut's rule reads only the
+        """The continuation fed on the state `_stepwise_context` left, still evicting (a driver that no longer tracks positions: the cut's rule reads only the
         lengths, so it evicts at the same steps). Rows past their continuation decode padding,
         which their metrics never read. Returns the logits in `extend`'s chunks: f32[n, P, V]
         per block of the continuation."""
@@ -600,7 +598,7 @@ class Bench:
                                      policy=method, stride=self.preset.tova_stride,
                                      track_positions=False)
         steps = int(self.cont_len.max())
-        logits = np.stack([driver.step(self.cont[:, j]) for j in range(steps)], axis=1)
+        logits = driver.feed(self.cont[:, :steps])
         logits = np.pad(logits, ((0, 0), (0, self.cont.shape[1] - steps), (0, 0)))
         return [jnp.asarray(logits[:, i:i + p]) for i in range(0, self.cont.shape[1], p)]
 
