@@ -34,8 +34,7 @@ from kvquota.errors import InvalidArgumentError
 from kvquota.policies import get_policy
 from kvquota.sentinel import INVALID
 from kvquota.serving.branching import extend
-from kvquota.serving.engine import (PagedEngine, ScoreResult, _bucket, _token_logprobs,
-                                     check_context)
+from kvquota.serving.engine import PagedEngine, ScoreResult, _token_logprobs, check_context
 from kvquota.state import StateConfig
 
 
@@ -151,8 +150,10 @@ class StepwiseEviction:
             cols = lens[rows, None] + np.arange(t)[None, :]  # [R, T] slots written
             self.positions[rows[:, None], :, :, cols] = (pos[rows, None] + np.arange(t))[
                 ..., None, None]
-        chunks = extend(eng, self.seq_ids, tokens,
-                        chunk_size=_bucket(t, eng.chunk_size, floor=1))  # one shape a stride
+        # Exactly t columns: between evictions t is stride - 1 (one compile), and no logits
+        # computed where none are read.
+        chunks = extend(eng, self.seq_ids, tokens, chunk_size=min(t, eng.chunk_size),
+                        last_only=out is None)
         if out is not None:
             out.append(np.concatenate([np.asarray(c) for c in chunks], axis=1)[:, :t])
 
