@@ -362,7 +362,7 @@ class Bench:
         self.engine = kq.PagedEngine(model_config, params, sc, chunk_size=p,
                                      record_attention="decode")
         self._h2o_base = None
-        self.model_config, self.params = model_config, params
+        self.model_config, self.params = model_config, self.engine.params  # placed once
         self.width = sc.max_tokens_per_seq  # cache indices of every row's mask and mass
         self._stepwise = {}  # budget tokens -> (engine, empty state): `_stepwise_engine`
         self.empty = self._register(self.engine)
