@@ -362,13 +362,10 @@ class Bench:
         self.engine = kq.PagedEngine(model_config, params, sc, chunk_size=p,
                                      record_attention="decode")
         self._h2o_base = None
-        # Bytes of one block in each pool had pool 0 been bf16 (compressed pools: the same).
-        self.pool_bytes_bf16 = np.asarray(
-            dataclasses.replace(sc, kv_format="bf16").pool_bytes, np.int64)
-        for t in range(n):
-            self.engine.register_tenant(t, token_quota=2**31 - 1,
-                                        byte_quota=self.engine.max_byte_quota)
-        self.empty = branch(self.engine.state)
+        self.model_config, self.params = model_config, self.engine.params  # placed once
+        self.width = sc.max_tokens_per_seq  # cache indices of every row's mask and mass
+        self._stepwise = {}  # budget tokens -> (engine, empty state): `_stepwise_engine`
+        self.empty = self._register(self.engine)
         self.ctx_len = np.array([len(i.context) for i in items], np.int32)
         self.cont_len = np.array([len(i.continuation) for i in items], np.int32)
         self.cont = np.zeros((n, -(-int(self.cont_len.max()) // p) * p), np.int32)  # chunks
@@ -377,6 +374,28 @@ class Bench:
         self.targets = np.zeros_like(self.cont)
         self.targets[:, :-1] = self.cont[:, 1:]
         self.seqs = None
+
+    def _register(self, engine):
+        """Registers one tenant per row on `engine`; returns a copy of its empty state."""
+        for t in range(len(self.items)):
+            engine.register_tenant(t, token_quota=2**31 - 1, byte_quota=engine.max_byte_quota)
+        return branch(engine.state)
+
+    def _stepwise_engine(self, budget: int):
+        """(engine, empty state) whose tables hold `budget` + stride tokens, one tenant per row
+        (`kq.stepwise_state_config`'s sizing, as `kq.score_stepwise` runs): a stepwise row never
+        holds more, and each decode step's attention mass and each eviction cost what the
+        table's width costs (at C = 2K and budget 0.125, an 8x narrower table). Built once per
+        budget."""
+        if budget not in self._stepwise:
+            p, n = self.preset.block_size, len(self.items)
+            sc = dataclasses.replace(kq.stepwise_state_config(
+                self.model_config, n, budget, self.preset.tova_stride, block_size=p),
+                num_tenants=n)
+            eng = kq.PagedEngine(self.model_config, self.params, sc, chunk_size=p,
+                                 record_attention="decode")
+            self._stepwise[budget] = (eng, self._register(eng))
+        return self._stepwise[budget]
 
     @property
     def alloc(self):
@@ -553,20 +572,23 @@ class Bench:
         """The context under stepwise eviction (`kq.StepwiseEviction`, qc.STEPWISE: TOVA as its
         paper runs it): each row's first B = `_keep_tokens(fraction)` context tokens prefilled
         from the empty state (block chunks, as the shared prefill), every later context token
-        decoded on the cache, cut back to B tokens per layer and KV head every
-        `tova_stride` steps, no recent window. A row shorter than the longest (a common-words
-        probe, by less than a block) prefills that many tokens fewer, so every row decodes the
-        same number of steps and the context ends at the same step. Leaves the state in the
-        engine; returns bool[n, L, Hkv, width]: the context positions each (layer, KV head)
-        holds at the context's end (the driver's `positions`)."""
-        eng, p, n = self.engine, self.preset.block_size, len(self.items)
+        fed on the cache (`StepwiseEviction.feed`), cut back to B tokens per layer and KV head
+        every `tova_stride` steps, no recent window, on a narrow engine (`_stepwise_engine`,
+        which becomes `self.engine`). A row shorter than the longest (a common-words probe, by
+        less than a block) prefills that many tokens fewer, so every row takes the same number
+        of steps and the context ends at the same step. Leaves the state in the engine; returns
+        bool[n, L, Hkv, width]: the context positions each (layer, KV head) holds at the
+        context's end (the driver's `positions`, at the study's cache indices)."""
+        p, n = self.preset.block_size, len(self.items)
         budget = self._keep_tokens(fraction)
+        eng, empty = self._stepwise_engine(budget)
+        self.engine = eng  # `run` puts the study's engine back
         longest = int(self.ctx_len.max())
         prefill = budget - (longest - self.ctx_len)
         if (prefill < 1).any():
             raise RuntimeError(f"budget {budget} leaves a row of {int(self.ctx_len.min())} "
                                "context tokens nothing to prefill")
-        eng.state, eng.last_mass = branch(self.empty), None
+        eng.state, eng.last_mass = branch(empty), None
         first = np.minimum(prefill, p)
         report, _ = eng.admit(list(range(n)), [it.context[:k] for it, k in zip(self.items,
                                                                                first)],
@@ -581,26 +603,25 @@ class Bench:
                                      stride=self.preset.tova_stride)
         steps = longest - budget
         tokens, _ = self._span(prefill, prefill + steps)
-        for j in range(steps):
-            driver.step(tokens[:, j])
-        width = eng.state_config.max_tokens_per_seq
+        driver.feed(tokens, return_logits=False)
+        width = self.width
         pos = driver.positions  # [n, L, Hkv, width], original positions, -1 past the length
         kept = np.zeros(pos.shape[:-1] + (width + 1,), bool)
         np.put_along_axis(kept, np.where(pos >= 0, pos, width), True, axis=-1)
         return kept[..., :width]
 
     def _stepwise_continuation(self, method, fraction) -> list:
-        """The continuation decoded token by token on the state `_stepwise_context` left, still
-        evicting (a driver that no longer tracks positions: the cut's rule reads only the
-        lengths, so it evicts at the same steps). Rows past their continuation decode padding,
-        which their metrics never read. Returns the logits in `extend`'s chunks: f32[n, P, V]
-        per block of the continuation."""
+        """The continuation fed on the state `_stepwise_context` left, still evicting (a driver
+        that no longer tracks positions: the cut's rule reads only the lengths, so it evicts at
+        the same steps). Rows past their continuation take padding, which their metrics never
+        read. Returns the logits in `extend`'s chunks: f32[n, P, V] per block of the
+        continuation."""
         eng, p = self.engine, self.preset.block_size
         driver = kq.StepwiseEviction(eng, self.seqs, budget_tokens=self._keep_tokens(fraction),
                                      policy=method, stride=self.preset.tova_stride,
                                      track_positions=False)
         steps = int(self.cont_len.max())
-        logits = np.stack([driver.step(self.cont[:, j]) for j in range(steps)], axis=1)
+        logits = driver.feed(self.cont[:, :steps])
         logits = np.pad(logits, ((0, 0), (0, self.cont.shape[1] - steps), (0, 0)))
         return [jnp.asarray(logits[:, i:i + p]) for i in range(0, self.cont.shape[1], p)]
 
@@ -659,12 +680,21 @@ class Bench:
         if not np.array_equal(here, self.device_bytes(state)):
             raise RuntimeError(f"block counts x bytes per block {here} differ from the ledger's "
                                f"{self.device_bytes(state)}")
-        return blocks @ self.pool_bytes_bf16
+        bf16 = dataclasses.replace(self.engine.state_config, kv_format="bf16")
+        return blocks @ np.asarray(bf16.pool_bytes, np.int64)  # compressed pools: the same
 
     def run(self, cond: Condition) -> list[dict]:
-        """One condition on every row: the means, the ledger, the continuation, the metrics."""
+        """One condition on every row: the means, the ledger, the continuation, the metrics (a
+        stepwise one on its own narrow engine, `_stepwise_engine`, put back afterwards)."""
+        wide = self.engine
+        try:
+            return self._run(cond)
+        finally:
+            self.engine = wide
+
+    def _run(self, cond: Condition) -> list[dict]:
         eng, n = self.engine, len(self.items)
-        width = eng.state_config.max_tokens_per_seq
+        width = self.width
         m = eng.config
         removed = np.zeros((n, m.num_layers, m.num_kv_heads, width), bool)  # per head
         compressed = np.zeros((n, width), bool)
@@ -695,6 +725,7 @@ class Bench:
             compressed = self._compressed()
         elif cond.variant == "stepwise":
             kept = self._stepwise_context(cond.method, cond.budget)
+            eng = self.engine  # its own (`_stepwise_engine`)
             ctx = np.arange(width)[None, :] < self.ctx_len[:, None]
             removed = ctx[:, None, None] & ~kept
         elif cond.method in qc.EVICT_METHODS:

@@ -233,6 +233,7 @@ class EvictReport(_HostUse):
     quota_units_released: jax.Array  # i32[T]  charges dropped per tenant, in byte units
     transferred_blocks: jax.Array  # i32[]  shared blocks whose charge passed to an heir
     host_blocks_used: jax.Array  # i32[]  host pool blocks held after the call
+    kept: Optional[np.ndarray] = None  # token mode: bool[B, L, Hkv, C] what each head kept
     pool_bytes: tuple = struct.field(pytree_node=False, default=())
     unit_bytes: int = struct.field(pytree_node=False, default=1)
     lossy: bool = struct.field(pytree_node=False, default=True)

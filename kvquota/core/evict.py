@@ -315,6 +315,9 @@ def _settle_and_report(config, state, pl, gone, heirs, evicted):
 
 
 _fresh_count = jax.jit(fresh_count, static_argnums=(0,))
+# One compiled mask per policy (a frozen, hashable dataclass) and shape: run eagerly, its sorts
+# and temporaries cost an eviction more than the eviction itself.
+_keep_mask = jax.jit(lambda policy, view, keep: policy.keep_mask(view, keep), static_argnums=0)
 _fresh_block_count = jax.jit(fresh_block_count, static_argnums=(0,))
 
 
@@ -356,7 +359,7 @@ def keep_mask(config: StateConfig, state: KVState, seq_ids, *, policy, keep_toke
     pol, ids, _, keep, aggregate, tables = _checked(config, state, seq_ids, policy, keep_tokens,
                                                     "token", aggregate, options)
     view = token_view(config, state, ids, tables, pol, attention, aggregate)
-    return np.asarray(pol.keep_mask(view, np.full(ids.size, keep, np.int32)))
+    return np.asarray(_keep_mask(pol, view, np.full(ids.size, keep, np.int32)))
 
 
 def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, mode="token",
@@ -371,8 +374,8 @@ def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, 
                                                        mode, aggregate, options)
     view = token_view(c, state, ids, tables, pol, attention, aggregate)
     if mode == "token":
-        mask = np.asarray(pol.keep_mask(view, np.full(ids.size, keep, np.int32)))
-        mask = mask.reshape(ids.size, -1, mask.shape[-1])  # [B, G, C]
+        kept = np.asarray(_keep_mask(pol, view, np.full(ids.size, keep, np.int32)))
+        mask = kept.reshape(ids.size, -1, kept.shape[-1])  # [B, G, C]
         need = int(_fresh_count(c, state, ids, mask))
     else:
         mask = np.asarray(pol.block_keep_mask(
@@ -386,8 +389,12 @@ def evict(config: StateConfig, state: KVState, seq_ids, *, policy, keep_tokens, 
     if need > room:
         raise PoolFullError(f"evict: {need} blocks needed for copies on write, pool 0 has "
                             f"{room} free")
-    core = evict_tokens_core if mode == "token" else evict_blocks_core
-    return core(c, state, ids, mask, heirs_of_rows(c, state, real), donate=donate)
+    if mode == "block":
+        return evict_blocks_core(c, state, ids, mask, heirs_of_rows(c, state, real),
+                                 donate=donate)
+    state, report = evict_tokens_core(c, state, ids, mask, heirs_of_rows(c, state, real),
+                                      donate=donate)
+    return state, report.replace(kept=kept)
 
 
 def token_view(config: StateConfig, state: KVState, ids, tables, policy, attention,
@@ -401,9 +408,12 @@ def token_view(config: StateConfig, state: KVState, ids, tables, policy, attenti
     per_head = aggregate == "head"
     safe = np.maximum(tables, 0)
     lengths = np.where(ids >= 0, np.asarray(state.seqs.seq_lens)[np.maximum(ids, 0)], 0)
-    if per_head:
+    if not policy.reads_mass:  # only its shape is read: no copy of the state's mass
+        shape = (c.model.num_layers, c.model.num_kv_heads) if per_head else (1, 1)
+        mass = np.zeros((b, *shape, width), np.float32)
+    elif per_head:
         heads = np.asarray(state.blocks.head_mass[safe])  # [B, MB, P, L, Hkv]
-        if policy.reads_mass and not heads.any() and \
+        if not heads.any() and \
                 np.asarray(state.blocks.attn_mass[safe]).any():
             raise InvalidArgumentError(
                 "evict: the mass of these sequences was recorded summed over layers and heads "

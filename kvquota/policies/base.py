@@ -112,8 +112,7 @@ class EvictionPolicy:
         s = jnp.where(view.valid, s, -jnp.inf)
         # Rank by (score, index) descending: ties keep the more recent token.
         order = jnp.lexsort((-view.index.astype(jnp.float32) * jnp.ones_like(s), -s), axis=-1)
-        rank = jnp.argsort(order, axis=-1)
-        return view.valid & (rank < k[:, None, None, None])
+        return view.valid & _first(order, k)
 
     def block_keep_mask(self, view: TokenView, block_size: int, keep_blocks: jax.Array):
         """bool[B, MB]: the top-scored whole blocks (a block's score: its tokens' mean), one
@@ -135,6 +134,17 @@ class EvictionPolicy:
         order = jnp.lexsort((-q.astype(jnp.float32) * jnp.ones_like(mean), -mean), axis=-1)
         rank = jnp.argsort(order, axis=-1)
         return (n > 0) & (rank < keep_blocks[:, None])
+
+
+def _first(order, k):
+    """bool[..., C]: the columns among the first k[b] of each row's `order` (a permutation of
+    the last axis; k i32[B] on the leading axis), marked by a scatter instead of a second sort
+    (the inverse permutation's)."""
+    ones = (1,) * (order.ndim - 1)
+    first = jnp.arange(order.shape[-1]).reshape(ones + (-1,)) < k.reshape((-1,) + ones)
+    lead = jnp.indices(order.shape, sparse=True)[:-1]
+    return jnp.zeros(order.shape, bool).at[(*lead, order)].set(
+        jnp.broadcast_to(first, order.shape))
 
 
 def get_policy(policy, **options) -> EvictionPolicy:

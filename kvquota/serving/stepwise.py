@@ -7,6 +7,10 @@ is dropped, so the cache stays at the budget. Here each (layer, KV head) of the 
 compacted on its own (`Allocator.evict` in token mode with the per-head default); TOVA's score is
 the same for every head of a layer, so a layer's heads keep the same tokens.
 
+`StepwiseEviction.feed` teacher-forces known tokens with the same evictions in fewer forwards:
+the tokens between two evictions go through the model as one chunk, and only the token an
+eviction follows is a decode step (its attention is what the policy reads).
+
 `stride` s > 1 is this project's cheaper variant, named in every result: the cache grows to
 budget + s, then the s tokens the last query attends to least are dropped at once (s = 1 is the
 paper). Any registered policy can be driven this way (H2O's accumulated mass, for one); TOVA
@@ -29,6 +33,7 @@ from configs.models import ModelConfig
 from kvquota.errors import InvalidArgumentError
 from kvquota.policies import get_policy
 from kvquota.sentinel import INVALID
+from kvquota.serving.branching import extend
 from kvquota.serving.engine import PagedEngine, ScoreResult, _token_logprobs, check_context
 from kvquota.state import StateConfig
 
@@ -45,8 +50,8 @@ class StepwiseEviction:
       policy: a registered eviction policy name ("tova": the paper's rule).
       stride: decode steps between evictions (1: the paper; s: s tokens dropped at once).
       recent: newest tokens never dropped (TOVA: 0, the new token competes too).
-      track_positions: keep `positions` up to date (it costs one more keep-mask computation
-        per eviction, about 40 % of an eviction's host work on SmolLM2).
+      track_positions: keep `positions` up to date (from each eviction's kept mask, a host
+        sort per eviction).
 
     Attributes:
       positions: i32[B, L, Hkv, C]: the original position of the token in each cache slot of
@@ -107,16 +112,60 @@ class StepwiseEviction:
             self._evict(due.astype(np.int32))
         return np.asarray(logits)
 
+    def feed(self, tokens, *, return_logits: bool = True):
+        """Teacher-forces tokens i32[B, S] (row b's S tokens in order), evicting exactly where S
+        `step` calls would, with fewer forwards: the tokens between two evictions go through the
+        model as one chunk (`extend`: the weights and the cache read once for them, not once a
+        token), and only the token an eviction follows is a decode step (the policy reads its
+        attention). Same kept tokens and, up to f32 rounding of the chunked forward, the same
+        logits as `step` (tested). Returns f32[B, S, V] logits (None without return_logits)."""
+        tokens = np.asarray(tokens, np.int32)
+        live = self.seq_ids >= 0
+        out, j, total = [], 0, tokens.shape[1]
+        while j < total:
+            # Steps until the first due row: the step that takes it to budget + stride tokens.
+            due_in = np.where(live, np.maximum(self.budget + self.stride - self._lengths(), 1),
+                              total)
+            k = int(min(due_in.min(), total - j))
+            chunk = k - 1 if due_in.min() <= total - j else k  # the rest: no eviction due
+            if chunk:
+                self._chunk(tokens[:, j:j + chunk], out if return_logits else None)
+            if chunk < k:
+                logits = self.step(tokens[:, j + chunk])
+                if return_logits:
+                    out.append(logits[:, None])
+            j += k
+        if not return_logits:
+            return None
+        return np.concatenate(out, axis=1)
+
+    def _chunk(self, tokens, out):
+        """tokens i32[B, T] through the model at once (no row is due within them); their logits
+        appended to `out` (a list, or None)."""
+        eng, t = self.engine, tokens.shape[1]
+        rows = np.flatnonzero(self.seq_ids >= 0)
+        if self.positions is not None:
+            lens = self._lengths()
+            pos = np.asarray(eng.state.seqs.positions)[np.maximum(self.seq_ids, 0)]
+            cols = lens[rows, None] + np.arange(t)[None, :]  # [R, T] slots written
+            self.positions[rows[:, None], :, :, cols] = (pos[rows, None] + np.arange(t))[
+                ..., None, None]
+        # Exactly t columns: between evictions t is stride - 1 (one compile), and no logits
+        # computed where none are read.
+        chunks = extend(eng, self.seq_ids, tokens, chunk_size=min(t, eng.chunk_size),
+                        last_only=out is None)
+        if out is not None:
+            out.append(np.concatenate([np.asarray(c) for c in chunks], axis=1)[:, :t])
+
     def _evict(self, due):
         eng, alloc = self.engine, self.engine.allocator
-        args = dict(policy=self.policy, keep_tokens=self.budget, attention=np.asarray(
-            eng.last_mass))
-        # What evict will keep, bool[B, L, Hkv, C], read first when positions are tracked.
-        keep = None if self.positions is None else alloc.keep_mask(eng.state, due, **args)
-        eng.state, _ = alloc.evict(eng.state, due, donate=True, **args)
+        eng.state, report = alloc.evict(eng.state, due, policy=self.policy,
+                                        keep_tokens=self.budget, attention=eng.last_mass,
+                                        donate=True)
         self.evictions += 1
-        if keep is None:
+        if self.positions is None:
             return
+        keep = report.kept  # bool[B, L, Hkv, C]
         # Each (layer, head) packs its kept tokens in order: slot j holds its j-th kept token.
         order = np.argsort(~keep, axis=-1, kind="stable")
         packed = np.take_along_axis(self.positions, order, axis=-1)
@@ -140,8 +189,8 @@ def score_stepwise(config: ModelConfig, params, docs: Sequence[Sequence[int]], *
                    return_logits: bool = False, track_positions: bool = True
                    ) -> tuple[list[ScoreResult], StepwiseEviction]:
     """Teacher-forced scoring of equal-length `docs` with stepwise eviction: the first
-    `budget_tokens` prefilled (nothing evicted), every later token decoded on the evicted cache
-    (`StepwiseEviction`). Returns one ScoreResult per doc (nll of every position) and the
+    `budget_tokens` prefilled (nothing evicted), every later token fed on the evicted cache
+    (`StepwiseEviction.feed`). Returns one ScoreResult per doc (nll of every position) and the
     driver (its `positions`: what each (layer, head) keeps at the end)."""
     ids = [[int(t) for t in d] for d in docs]
     if not ids or len({len(d) for d in ids}) != 1:
@@ -166,9 +215,8 @@ def score_stepwise(config: ModelConfig, params, docs: Sequence[Sequence[int]], *
     tokens = np.asarray(ids, np.int32)
     targets = np.concatenate([tokens[:, 1:], np.zeros((len(ids), 1), np.int32)], axis=1)
     prefix = np.concatenate([np.asarray(c) for c in chunks], axis=1)[:, :budget_tokens]
-    parts = [(prefix, targets[:, :budget_tokens])]
-    for t in range(budget_tokens, n):  # the last step's logits give top1 only
-        parts.append((driver.step(tokens[:, t])[:, None], targets[:, t:t + 1]))
+    parts = [(prefix, targets[:, :budget_tokens]),  # the last logits give top1 only
+             (driver.feed(tokens[:, budget_tokens:]), targets[:, budget_tokens:])]
     lps, top1s = zip(*(_token_logprobs(jnp.asarray(lg), jnp.asarray(tg)) for lg, tg in parts))
     lp, top1 = np.concatenate(lps, axis=1), np.concatenate(top1s, axis=1)  # [B, n]
     logits = np.concatenate([lg for lg, _ in parts], axis=1) if return_logits else None

@@ -54,7 +54,7 @@ def test_the_study_row_keeps_and_predicts_what_score_stepwise_does(stride):
     bench, items = _bench(stride)
     budget = bench._keep_tokens(0.5)
     kept = bench._stepwise_context("tova", 0.5)
-    width = bench.engine.state_config.max_tokens_per_seq
+    width = bench.width  # the study's cache indices (the stepwise rows run on a narrow engine)
     logits = np.concatenate([np.asarray(x) for x in
                              bench._stepwise_continuation("tova", 0.5)], axis=1)
     for r, it in enumerate(items):

@@ -100,6 +100,41 @@ def test_stepwise_tova_keeps_what_the_papers_rule_keeps(stride, track):
                for kept in want_kept)
 
 
+def _driven(stride, feed):
+    """Two rows, one starting 3 tokens short of the budget (so their evictions fall on other
+    steps), driven over 12 tokens by `feed` at once or by `step` token by token."""
+    sc = stepwise_state_config(CFG, 2, BUDGET, stride, block_size=P)
+    eng = kq.PagedEngine(CFG, PARAMS, sc, chunk_size=8, record_attention=True)
+    eng.register_tenant(0, token_quota=10**6, byte_quota=eng.max_byte_quota)
+    other = TOKENS[::-1]
+    report, _ = eng.admit([0, 0], [TOKENS[:BUDGET], other[:BUDGET - 3]], last_only=False)
+    driver = StepwiseEviction(eng, report.seq_id[:2].astype(np.int32), budget_tokens=BUDGET,
+                              stride=stride)
+    rest = np.array([TOKENS[BUDGET:], other[BUDGET - 3:len(TOKENS) - 3]], np.int32)
+    if feed:
+        logits = driver.feed(rest)
+    else:
+        logits = np.stack([driver.step(rest[:, j]) for j in range(rest.shape[1])], axis=1)
+    eng.allocator.check(eng.state)
+    return driver, logits, eng
+
+
+@pytest.mark.parametrize("stride", [1, 3, 5])
+def test_feed_keeps_what_step_does(stride):
+    fed, fed_logits, eng = _driven(stride, feed=True)
+    stepped, step_logits, _ = _driven(stride, feed=False)
+    assert fed.evictions == stepped.evictions > 0
+    np.testing.assert_array_equal(fed.positions, stepped.positions)
+    check(fed_logits, step_logits, f"stride {stride}: fed against stepped logits")
+    lens = np.asarray(eng.state.seqs.seq_lens)[fed.seq_ids]
+    assert ((BUDGET <= lens) & (lens < BUDGET + stride)).all()
+    # Row 0 is TOKENS: what the paper's rule keeps, and its logits.
+    want_logits, want_kept = tova_reference(TOKENS, BUDGET, stride)
+    check(fed_logits[0], want_logits[BUDGET:], f"stride {stride}: fed logits")
+    for layer, kept in enumerate(want_kept):
+        assert (fed.positions[0, layer, :, :len(kept)] == kept).all()
+
+
 def test_score_stepwise_matches_the_driver_and_ordinary_scoring_before_the_budget():
     results, driver = kq.score_stepwise(CFG, PARAMS, [TOKENS, TOKENS[::-1]],
                                         budget_tokens=BUDGET, block_size=P, return_logits=True)

@@ -181,6 +181,7 @@ def test_per_head_eviction_keeps_each_heads_own_tokens():
     assert mask.shape == (2, LAYERS, HEADS, WIDTH) and leaves_equal(before, s)
     s, rep = alloc.evict(s, [0, INVALID], policy="h2o", keep_tokens=3, recent=1)
     alloc.check(s)
+    np.testing.assert_array_equal(rep.kept, mask)  # the report says what it kept
     assert _ints(rep.evicted_tokens) == [4, 0] and int(s.seqs.seq_lens[0]) == 3
     assert int(s.seqs.positions[0]) == 7  # logical positions are kept
     chosen = set()
