@@ -91,7 +91,7 @@ def define_flags():
     f.DEFINE_integer("tenants", 8, "Tenants of the generated trace.", lower_bound=1,
                      upper_bound=64)
     f.DEFINE_integer("groups", 2, "Tenant groups sharing a system prompt.", lower_bound=0)
-    f.DEFINE_float("rate", 90.0, "Requests per second of the generated trace.", lower_bound=1e-6)
+    f.DEFINE_float("rate", 30.0, "Requests per second of the generated trace.", lower_bound=1e-6)
     f.DEFINE_enum("arrival", "poisson", ["poisson", "bursty"], "Arrival process.")
     f.DEFINE_float("oversubscription", 2.5, "Sum of the tenants' quota shares (x weights).",
                    lower_bound=0.01)
@@ -103,9 +103,11 @@ def define_flags():
                    upper_bound=1)
     f.DEFINE_integer("lease_expiries", 1, "Lease expiries in the generated trace.",
                      lower_bound=0)
+    f.DEFINE_boolean("expire_lightest", True, "Leases expire for the tenants of the smallest "
+                     "quota shares (--noexpire_lightest: seeded tenants, maybe the largest).")
     f.DEFINE_integer("context_max", 32768, "Longest conversation of the generated trace.",
                      lower_bound=64)
-    f.DEFINE_float("prompt_mean", 1024.0, "Mean first prompt (system prompt included), tokens.",
+    f.DEFINE_float("prompt_mean", 3072.0, "Mean first prompt (system prompt included), tokens.",
                    lower_bound=1)
     f.DEFINE_integer("prompt_max", 16384, "Longest prompt part, tokens.", lower_bound=1)
     f.DEFINE_float("output_mean", 1024.0, "Mean output (max_new_tokens).", lower_bound=1)
@@ -252,7 +254,8 @@ def trace_config() -> "kq.sim.TraceConfig":
         arrival=FLAGS.arrival, rate_per_s=FLAGS.rate, oversubscription=FLAGS.oversubscription,
         session_fraction=FLAGS.session_fraction, quota_cuts=FLAGS.quota_cuts,
         cut_to=FLAGS.cut_to,
-        lease_expiries=FLAGS.lease_expiries, context_max=FLAGS.context_max,
+        lease_expiries=FLAGS.lease_expiries, expire_lightest=FLAGS.expire_lightest,
+        context_max=FLAGS.context_max,
         prompt_mean=FLAGS.prompt_mean, prompt_max=FLAGS.prompt_max,
         output_mean=FLAGS.output_mean, output_max=FLAGS.output_max,
         system_prompt_tokens=FLAGS.system_prompt_tokens, followup_mean=FLAGS.followup_mean,

@@ -29,7 +29,9 @@ The model of the workload (every number a `TraceConfig` field):
   bytes) are `oversubscription` x the tenant's weight, capped at 1: they may sum to more than 1.
 * Events at seeded times in the middle 90 % of the span of arrivals: `quota_cuts` cuts of seeded
   tenants to `cut_to` of their current share, `lease_expiries` expiries of distinct tenants
-  (never all of them; a tenant's cuts come before its expiry). A tenant's requests keep arriving
+  (never all of them; a tenant's cuts come before its expiry; `expire_lightest`: the tenants of
+  the smallest quota shares, so that an expiry does not take the bulk of the load away). A
+  tenant's requests keep arriving
   after its lease expired (its clients do not know): the replay refuses them.
 
 Each part draws from its own child of the seed (`np.random.SeedSequence(seed).spawn`), so e.g.
@@ -102,6 +104,7 @@ class TraceConfig:
     quota_cuts: int = 2
     cut_to: float = 0.5
     lease_expiries: int = 1
+    expire_lightest: bool = False
 
     def __post_init__(self):
         def bad(name, want):
@@ -116,6 +119,8 @@ class TraceConfig:
             v = getattr(self, name)
             if not _is_number(v) or (v <= 0 if name in _POSITIVE else v < 0):
                 bad(name, "a finite number " + (">" if name in _POSITIVE else ">=") + " 0")
+        if not isinstance(self.expire_lightest, bool):
+            bad("expire_lightest", "a bool")
         if self.arrival not in ARRIVALS:
             bad("arrival", f"one of {ARRIVALS}")
         if self.burst_factor < 1:
@@ -388,6 +393,8 @@ def _events(rng, cfg: TraceConfig, share: np.ndarray, span) -> list:
     lo = span[0] + 0.05 * (span[1] - span[0])
     hi = span[0] + 0.95 * (span[1] - span[0])
     expired = rng.choice(cfg.tenants, cfg.lease_expiries, replace=False)
+    if cfg.expire_lightest:  # drawn all the same: the other events' draws stay as they were
+        expired = np.argsort(share, kind="stable")[:cfg.lease_expiries]
     expiry_at = np.full(cfg.tenants, hi)
     expiry_at[expired] = rng.uniform(lo, hi, cfg.lease_expiries)
     cut_tenant = rng.integers(0, cfg.tenants, cfg.quota_cuts)

@@ -288,6 +288,20 @@ def test_events_are_placed_inside_the_trace_and_compound():
         TraceConfig(tenants=4, lease_expiries=4)
 
 
+def test_expire_lightest_expires_the_smallest_shares_and_changes_nothing_else():
+    base = TraceConfig(seed=3, requests=2000, tenants=6, quota_cuts=4, lease_expiries=2)
+    plain, light = generate_trace(base), generate_trace(
+        dataclasses.replace(base, expire_lightest=True))
+    assert light.requests == plain.requests and light.tenants == plain.tenants
+    share = sorted((t.quota_share, t.tenant) for t in light.tenants)
+    expired = sorted(e.tenant for e in light.events if e.kind == "lease_expiry")
+    assert expired == sorted(t for _, t in share[:2])
+    assert sorted(e.time_s for e in light.events if e.kind == "lease_expiry") == sorted(
+        e.time_s for e in plain.events if e.kind == "lease_expiry")
+    with pytest.raises(InvalidArgumentError, match="expire_lightest"):
+        TraceConfig(expire_lightest=1)
+
+
 # ---- config validation ------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [
     ("requests", 0), ("requests", 2.5), ("requests", True), ("tenants", 0), ("seed", -1),
