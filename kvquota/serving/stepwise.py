@@ -123,18 +123,18 @@ class StepwiseEviction:
         live = self.seq_ids >= 0
         out, j, total = [], 0, tokens.shape[1]
         while j < total:
-            # Steps until the first due row: the step that takes it to budget + stride tokens.
-            due_in = np.where(live, np.maximum(self.budget + self.stride - self._lengths(), 1),
-                              total)
-            k = int(min(due_in.min(), total - j))
-            chunk = k - 1 if due_in.min() <= total - j else k  # the rest: no eviction due
-            if chunk:
-                self._chunk(tokens[:, j:j + chunk], out if return_logits else None)
-            if chunk < k:
-                logits = self.step(tokens[:, j + chunk])
-                if return_logits:
-                    out.append(logits[:, None])
-            j += k
+            # Steps until the first row is due: the step that takes it to budget + stride tokens.
+            due = int(np.where(live, np.maximum(self.budget + self.stride - self._lengths(), 1),
+                               total + 1).min())
+            if due > total - j:  # no eviction in the rest: one chunk
+                self._chunk(tokens[:, j:], out if return_logits else None)
+                break
+            if due > 1:
+                self._chunk(tokens[:, j:j + due - 1], out if return_logits else None)
+            logits = self.step(tokens[:, j + due - 1])
+            if return_logits:
+                out.append(logits[:, None])
+            j += due
         if not return_logits:
             return None
         return np.concatenate(out, axis=1)

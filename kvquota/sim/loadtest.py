@@ -89,12 +89,12 @@ class LoadConfig:
     `blocks_that_fit`), a compressed pool (`compress_format`) of blocks * compressed_fraction,
     a host pool of blocks * host_fraction; max_seqs sequence slots.
     patience_s: a client cancels a request that has waited this long without being admitted
-    (refused "timed out"; `Replay._abandon`); None: clients wait for ever. sessions_end_with_trace:
-    clients send nothing after the trace's last arrival (a session's later turn due after it is
-    never sent, so the run ends as the trace does); False: sessions run to their last turn.
-    steps_per_pass > 1:
-    multi-step scheduling (`kvquota.serving.scheduler`; the drift check then comes at the first
-    pass end at or after every drift_every-th step). quiet_steps > 0: a stretch of steps that
+    (refused "timed out"; `Replay._abandon`); None: clients wait for ever.
+    sessions_end_with_trace: clients send nothing after the trace's last arrival (a session's
+    later turn due after it is never sent, so the run ends as the trace does); False: sessions
+    run to their last turn. steps_per_pass > 1: multi-step scheduling
+    (`kvquota.serving.scheduler`; the drift check then comes at the first pass end at or after
+    every drift_every-th step). quiet_steps > 0: a stretch of steps that
     can only decode runs as one pass of up to that many steps (exact: `Scheduler`)."""
 
     model: str = "qwen2.5-72b"
